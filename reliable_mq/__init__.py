@@ -1,0 +1,77 @@
+"""reliable_mq: loss-proof RabbitMQ publishing and consuming over aio-pika."""
+
+from ._outgoing import MessageOptions
+from .consumer import ConsumerStats, ReliableConsumer
+from .delivery import Delivery
+from .errors import (
+    BrokerUnavailable,
+    ClosedError,
+    ConsumerError,
+    ExchangeNotFound,
+    FlushTimeout,
+    InvalidBody,
+    InvalidMessage,
+    InvalidSettings,
+    MessageTooLarge,
+    PublishAborted,
+    PublishError,
+    PublishGaveUp,
+    PublishTimeout,
+    PublishUnroutable,
+    ReliableMQError,
+)
+from .handlers import AckPolicy, Reject, Retry, Router
+from .log import configure_logging
+from .metrics import Metrics
+from .publisher import PendingPublish, PublisherStats, PublishResult, ReliablePublisher
+from .settings import (
+    ConnectionSettings,
+    ConsumerSettings,
+    PublisherSettings,
+    TLSSettings,
+    redact_url,
+)
+from .topology import QueueTopology, QueueType, declare_topology
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AckPolicy",
+    "BrokerUnavailable",
+    "ClosedError",
+    "ConnectionSettings",
+    "ConsumerError",
+    "ConsumerSettings",
+    "ConsumerStats",
+    "Delivery",
+    "ExchangeNotFound",
+    "FlushTimeout",
+    "InvalidBody",
+    "InvalidMessage",
+    "InvalidSettings",
+    "MessageOptions",
+    "MessageTooLarge",
+    "Metrics",
+    "PendingPublish",
+    "PublishAborted",
+    "PublishError",
+    "PublishGaveUp",
+    "PublishResult",
+    "PublishTimeout",
+    "PublishUnroutable",
+    "PublisherSettings",
+    "PublisherStats",
+    "QueueTopology",
+    "QueueType",
+    "Reject",
+    "ReliableConsumer",
+    "ReliableMQError",
+    "ReliablePublisher",
+    "Retry",
+    "Router",
+    "TLSSettings",
+    "__version__",
+    "configure_logging",
+    "declare_topology",
+    "redact_url",
+)

@@ -1,0 +1,256 @@
+"""One AMQP connection kept alive: reconnect with backoff, fail over between brokers.
+
+We do not use aio-pika's ``RobustConnection``: it restores channels behind our
+back, and its pending confirms can hang across a reconnect (aio-pika #636,
+#689). Here a loss is an event with a generation number that the publisher and
+consumer react to explicitly (republish, drop stale delivery tags).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+import re
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractConnection
+
+from .errors import BrokerUnavailable, ClosedError
+from .log import get_logger
+from .metrics import Metrics
+from .settings import BrokerAddress, ConnectionSettings
+
+__all__ = ("ConnectionState", "ConnectionSupervisor")
+
+_FATAL_CONNECT_ERRORS: tuple[type[BaseException], ...] = (
+    aiormq.exceptions.ProbableAuthenticationError,
+    aiormq.exceptions.AuthenticationError,
+)
+
+
+class ConnectionState(enum.StrEnum):
+    """Where a :class:`ConnectionSupervisor` is in its life."""
+
+    IDLE = "idle"
+    """Not started."""
+    CONNECTING = "connecting"
+    """Connecting or reconnecting; work waits."""
+    CONNECTED = "connected"
+    """A connection is open."""
+    CLOSED = "closed"
+    """Closed by the owner; takes no more work."""
+
+
+class ConnectionSupervisor:
+    """Keeps one connection open and tells listeners when it is (re)established.
+
+    Args:
+        settings: where and how to connect.
+        role: a short word ("publisher", "consumer") added to the connection name.
+        metrics: collectors for recoveries and the up/down gauge.
+    """
+
+    def __init__(self, settings: ConnectionSettings, *, role: str, metrics: Metrics) -> None:
+        self._settings = settings
+        self._name = f"{settings.connection_name}.{role}"
+        self._metrics_up = metrics.connection_up.labels(self._name)
+        self._metrics_recoveries = metrics.connection_recoveries.labels(self._name)
+        self._log = get_logger(__name__).bind(connection=self._name)
+        self._state = ConnectionState.IDLE
+        self._connection: AbstractConnection | None = None
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._address_index = 0
+        self.generation = 0
+        """Increments with every new connection; lets listeners tell old from new."""
+        self.connected_at = 0.0
+        """Loop time when the current connection opened."""
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def state(self) -> ConnectionState:
+        return self._state
+
+    @property
+    def connection(self) -> AbstractConnection | None:
+        """The open connection, or None while (re)connecting."""
+        return self._connection if self._state is ConnectionState.CONNECTED else None
+
+    async def start(self) -> None:
+        """Connect for the first time; try every address once before giving up.
+
+        Raises:
+            BrokerUnavailable: no address accepted a connection.
+        """
+        if self._state is not ConnectionState.IDLE:
+            return
+        self._state = ConnectionState.CONNECTING
+        errors: list[str] = []
+        for _ in self._settings.addresses:
+            try:
+                connection = await self._connect_once()
+            except _FATAL_CONNECT_ERRORS as exc:
+                self._state = ConnectionState.CLOSED
+                raise BrokerUnavailable(
+                    f"{self._current_address().redacted}: authentication refused ({exc})"
+                ) from None
+            except (OSError, TimeoutError, aiormq.exceptions.AMQPError) as exc:
+                errors.append(f"{self._current_address().redacted}: {_describe(exc)}")
+                self._advance_address()
+                continue
+            self._set_connected(connection)
+            self._task = asyncio.get_running_loop().create_task(
+                self._supervise(), name=f"reliable_mq:{self._name}"
+            )
+            return
+        self._state = ConnectionState.CLOSED
+        raise BrokerUnavailable("no broker accepted a connection: " + "; ".join(errors))
+
+    async def wait_connected(self) -> AbstractConnection:
+        """Wait for an open connection (callers bound this with their own deadline).
+
+        Raises:
+            ClosedError: the supervisor was closed.
+        """
+        while True:
+            if self._state is ConnectionState.CLOSED:
+                raise ClosedError(f"connection {self._name} is closed")
+            connection = self.connection
+            if connection is not None and not connection.is_closed:
+                return connection
+            self._connected.clear()
+            await self._connected.wait()
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Close the connection and stop reconnecting (waiting ``timeout`` s at most)."""
+        if self._state is ConnectionState.CLOSED:
+            return
+        self._state = ConnectionState.CLOSED
+        self._connected.set()  # wake waiters so they see CLOSED
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await connection.close()
+            except (TimeoutError, OSError, aiormq.exceptions.AMQPError, RuntimeError):
+                self._log.debug("connection_close_error")
+        self._metrics_up.set(0)
+        self._log.debug("connection_closed")
+
+    def _closed(self) -> bool:
+        """Re-read the state (it changes while we await)."""
+        return self._state is ConnectionState.CLOSED
+
+    def _current_address(self) -> BrokerAddress:
+        addresses = self._settings.addresses
+        return addresses[self._address_index % len(addresses)]
+
+    def _advance_address(self) -> None:
+        self._address_index = (self._address_index + 1) % len(self._settings.addresses)
+
+    async def _connect_once(self) -> AbstractConnection:
+        address = self._current_address()
+        url = address.url.update_query(
+            heartbeat=str(self._settings.heartbeat),
+            name=self._name,
+        )
+        ssl_context = None
+        if url.scheme == "amqps":
+            tls = self._settings.tls
+            ssl_context = tls.ssl_context() if tls else None
+        async with asyncio.timeout(self._settings.connect_timeout):
+            return await aio_pika.connect(
+                url,
+                ssl_context=ssl_context,
+                timeout=self._settings.connect_timeout,
+                client_properties={"connection_name": self._name},
+            )
+
+    def _set_connected(self, connection: AbstractConnection) -> None:
+        self._connection = connection
+        self.generation += 1
+        self.connected_at = asyncio.get_running_loop().time()
+        self._state = ConnectionState.CONNECTED
+        self._metrics_up.set(1)
+        self._connected.set()
+        self._log.debug(
+            "connection_open", broker=self._current_address().redacted, generation=self.generation
+        )
+
+    async def _supervise(self) -> None:
+        """Wait for the connection to drop, then reconnect until closed."""
+        while self._state is not ConnectionState.CLOSED:
+            connection = self._connection
+            assert connection is not None
+            underlay = connection.transport.connection if connection.transport else None
+            reason = "closed"
+            if underlay is not None and not underlay.is_closed:
+                # Wait without awaiting the future itself: aiormq *cancels* it when
+                # it drops a connection for missed heartbeats (a silent link), and
+                # awaiting it would raise CancelledError here as if this task had
+                # been cancelled, ending supervision for good.
+                closing = underlay.closing
+                try:
+                    await asyncio.wait((closing,))
+                finally:
+                    if not closing.done():
+                        closing.cancel()  # we were cancelled: detach the observer
+                if closing.cancelled():
+                    reason = "aborted (no frames within the heartbeat grace: link stuck)"
+                elif (exc := closing.exception()) is not None:
+                    reason = _describe(exc)
+            if self._closed():
+                return
+            self._connection = None
+            self._state = ConnectionState.CONNECTING
+            self._connected.clear()
+            self._metrics_up.set(0)
+            self._log.warning(
+                "connection_lost", broker=self._current_address().redacted, reason=reason
+            )
+            await self._reconnect()
+
+    async def _reconnect(self) -> None:
+        delay = self._settings.reconnect_initial_delay
+        attempt = 0
+        while self._state is not ConnectionState.CLOSED:
+            attempt += 1
+            try:
+                connection = await self._connect_once()
+            except (OSError, TimeoutError, aiormq.exceptions.AMQPError) as exc:
+                self._log.info(
+                    "reconnect_failed",
+                    broker=self._current_address().redacted,
+                    attempt=attempt,
+                    error=_describe(exc),
+                )
+                self._advance_address()
+                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, self._settings.reconnect_max_delay)
+                continue
+            if self._closed():
+                await connection.close()
+                return
+            self._metrics_recoveries.inc()
+            self._set_connected(connection)
+            self._log.info(
+                "connection_recovered", broker=self._current_address().redacted, attempt=attempt
+            )
+            return
+
+
+def _describe(exc: BaseException) -> str:
+    """A one-line, password-free description of a connection error."""
+    text = _CREDENTIALS.sub(r"\1***@", str(exc) or type(exc).__name__)
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+_CREDENTIALS = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")

@@ -1,0 +1,168 @@
+"""The exceptions reliable_mq raises, rooted in one base class.
+
+Callers catch a condition, not a transport detail: aio-pika and aiormq errors
+are translated at the boundary and never reach user code raw.
+
+```
+ReliableMQError
+├── InvalidSettings            (also ValueError)   bad configuration, named by field
+├── InvalidMessage             (also ValueError)   a message that cannot be sent as given
+│   └── InvalidBody            (also TypeError)    a body reliable_mq cannot encode
+├── BrokerUnavailable          (also ConnectionError) no broker address accepted a connection
+├── ClosedError                                   the publisher/consumer was closed
+├── FlushTimeout               (also TimeoutError) flush() ran out of time
+├── PublishError                                  one message's outcome was not "confirmed"
+│   ├── PublishUnroutable                         basic.return: no queue took it (not retried)
+│   ├── ExchangeNotFound                          the exchange does not exist (not retried)
+│   ├── MessageTooLarge                           over max_message_size (never sent)
+│   ├── PublishGaveUp                             nacked / never confirmed max_attempts times
+│   ├── PublishTimeout                            the caller's deadline passed first
+│   └── PublishAborted                            close() ran out of time before its confirm
+└── ConsumerError                                 consumer-side failures (see consumer docs)
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = (
+    "BrokerUnavailable",
+    "ClosedError",
+    "ConsumerError",
+    "ExchangeNotFound",
+    "FlushTimeout",
+    "InvalidBody",
+    "InvalidMessage",
+    "InvalidSettings",
+    "MessageTooLarge",
+    "PublishAborted",
+    "PublishError",
+    "PublishGaveUp",
+    "PublishTimeout",
+    "PublishUnroutable",
+    "ReliableMQError",
+)
+
+
+class ReliableMQError(Exception):
+    """Base class of every error reliable_mq raises on purpose.
+
+    Errors pickle with their attributes intact, so a Spark executor's error
+    reaches the driver whole.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def _restore_error(
+    cls: type[ReliableMQError], args: tuple[Any, ...], state: dict[str, Any]
+) -> ReliableMQError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
+class InvalidSettings(ReliableMQError, ValueError):
+    """A setting failed validation; the message names each offending field.
+
+    Input values are never echoed, so a bad URL's password cannot leak here.
+    """
+
+    def __init__(self, model: str, problems: list[tuple[str, str]]) -> None:
+        self.model = model
+        self.problems = problems
+        lines = "; ".join(f"{field}: {msg}" for field, msg in problems)
+        super().__init__(f"invalid {model}: {lines}")
+
+
+class InvalidMessage(ReliableMQError, ValueError):
+    """The message cannot be sent as given (routing key too long, bad header value...)."""
+
+
+class InvalidBody(InvalidMessage, TypeError):
+    """The body is not bytes, str, a pydantic model or JSON-serialisable data."""
+
+
+class BrokerUnavailable(ReliableMQError, ConnectionError):
+    """No broker address accepted a connection (addresses are shown redacted)."""
+
+
+class ClosedError(ReliableMQError):
+    """The publisher or consumer is closed (or closing) and takes no new work."""
+
+
+class FlushTimeout(ReliableMQError, TimeoutError):
+    """``flush()`` ran out of time with messages still unconfirmed (they stay in flight)."""
+
+
+class ConsumerError(ReliableMQError):
+    """Base for consumer-side errors."""
+
+
+class PublishError(ReliableMQError):
+    """A message did not end confirmed.
+
+    Attributes:
+        message_id: the id the message carried on every attempt.
+        attempts: how many times it was sent to the broker.
+    """
+
+    def __init__(self, message: str, *, message_id: str, attempts: int) -> None:
+        self.message_id = message_id
+        self.attempts = attempts
+        super().__init__(f"{message} (message_id={message_id}, attempts={attempts})")
+
+
+class PublishUnroutable(PublishError):
+    """The broker returned a mandatory message: no queue is bound for its routing key.
+
+    Not retried: republishing the same message would be returned again.
+    """
+
+    def __init__(
+        self,
+        *,
+        message_id: str,
+        attempts: int,
+        exchange: str,
+        routing_key: str,
+        reply_code: int | None,
+        reply_text: str | None,
+    ) -> None:
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.reply_code = reply_code
+        self.reply_text = reply_text
+        super().__init__(
+            f"unroutable: {reply_code} {reply_text} "
+            f"(exchange={exchange!r}, routing_key={routing_key!r})",
+            message_id=message_id,
+            attempts=attempts,
+        )
+
+
+class ExchangeNotFound(PublishError):
+    """The target exchange does not exist; the broker closed the channel with 404."""
+
+
+class MessageTooLarge(PublishError):
+    """The encoded body exceeds ``max_message_size``; it was never sent."""
+
+
+class PublishGaveUp(PublishError):
+    """The broker nacked the message, or never confirmed it, ``max_attempts`` times."""
+
+
+class PublishTimeout(PublishError, TimeoutError):
+    """The caller's deadline passed before a confirm.
+
+    The outcome is unknown: the broker may still have taken the message, which is
+    why a retry by the caller must keep the same ``message_id``.
+    """
+
+
+class PublishAborted(PublishError):
+    """``close()`` gave up waiting for this message's confirm; its outcome is unknown."""

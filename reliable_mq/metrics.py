@@ -1,0 +1,171 @@
+"""Prometheus collectors, created on the registry the caller passes.
+
+Nothing is registered at import time. Collectors are cached per
+``(registry, prefix)``, so two publishers in one process share them instead of
+clashing with "Duplicated timeseries". Labels are low-cardinality on purpose:
+exchange, queue, outcome, reason, never message ids or routing keys.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, fields
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ("DEFAULT_EXCHANGE_LABEL", "Metrics", "exchange_label")
+
+DEFAULT_EXCHANGE_LABEL = "amq.default"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+def exchange_label(exchange: str) -> str:
+    """The label value for an exchange (the nameless default exchange gets a name)."""
+    return exchange or DEFAULT_EXCHANGE_LABEL
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Every reliable_mq collector; get one with :meth:`Metrics.on`."""
+
+    published: Counter
+    confirmed: Counter
+    nacked: Counter
+    returned: Counter
+    republished: Counter
+    publish_failed: Counter
+    in_flight: Gauge
+    window_size: Gauge
+    confirm_latency: Histogram
+    connection_recoveries: Counter
+    connection_up: Gauge
+    deliveries: Counter
+    redeliveries: Counter
+    handler_duration: Histogram
+    in_progress: Gauge
+    duplicates_skipped: Counter
+    dedup_events: Counter
+    dead_lettered: Counter
+    stale_settles: Counter
+    ack_batches: Counter
+
+    @classmethod
+    def on(cls, registry: CollectorRegistry | None = None, prefix: str = "reliable_mq") -> Metrics:
+        """Return the collectors for ``registry`` (default: the global one), creating them once."""
+        registry = REGISTRY if registry is None else registry
+        with _LOCK:
+            per_registry = _CACHE.setdefault(registry, {})
+            metrics = per_registry.get(prefix)
+            if metrics is None:
+                metrics = per_registry[prefix] = cls._create(registry, prefix)
+            return metrics
+
+    @classmethod
+    def _create(cls, registry: CollectorRegistry, prefix: str) -> Metrics:
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"{prefix}_{name}", doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(f"{prefix}_{name}", doc, labels, registry=registry)
+
+        return cls(
+            published=counter(
+                "published_messages_total", "Messages accepted by publish().", "exchange"
+            ),
+            confirmed=counter(
+                "confirmed_messages_total", "Messages the broker confirmed (basic.ack).", "exchange"
+            ),
+            nacked=counter(
+                "nacked_messages_total", "basic.nack received for a message attempt.", "exchange"
+            ),
+            returned=counter(
+                "returned_messages_total", "Mandatory messages returned as unroutable.", "exchange"
+            ),
+            republished=counter(
+                "republished_messages_total",
+                "Messages sent again (reason: nack, connection_lost, confirm_timeout).",
+                "exchange",
+                "reason",
+            ),
+            publish_failed=counter(
+                "publish_failures_total",
+                "publish() calls that ended in an error, by error.",
+                "exchange",
+                "error",
+            ),
+            in_flight=gauge(
+                "publisher_in_flight_messages", "Messages holding a window slot.", "publisher"
+            ),
+            window_size=gauge(
+                "publisher_window_size_messages",
+                "The in-flight window (max_in_flight).",
+                "publisher",
+            ),
+            confirm_latency=Histogram(
+                f"{prefix}_confirm_latency_seconds",
+                "Time from sending an attempt to its confirm.",
+                ("exchange",),
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            connection_recoveries=counter(
+                "connection_recoveries_total",
+                "Connections re-established after a loss.",
+                "connection",
+            ),
+            connection_up=gauge(
+                "connection_up", "1 while the connection is open, else 0.", "connection"
+            ),
+            deliveries=counter(
+                "consumed_messages_total",
+                "Deliveries by outcome (acked, retried, dead_lettered, duplicate, deferred, "
+                "requeued, stale).",
+                "queue",
+                "outcome",
+            ),
+            redeliveries=counter(
+                "redelivered_messages_total", "Deliveries flagged redelivered.", "queue"
+            ),
+            handler_duration=Histogram(
+                f"{prefix}_handler_duration_seconds",
+                "Time spent in the user handler.",
+                ("queue",),
+                buckets=_HANDLER_BUCKETS,
+                registry=registry,
+            ),
+            in_progress=gauge("handlers_in_progress", "Deliveries inside a handler now.", "queue"),
+            duplicates_skipped=counter(
+                "duplicates_skipped_total", "Deliveries acked without running the handler.", "queue"
+            ),
+            dedup_events=counter(
+                "dedup_events_total",
+                "De-duplication events (no_message_id, busy, store_unavailable, "
+                "complete_failed, release_failed).",
+                "queue",
+                "event",
+            ),
+            dead_lettered=counter(
+                "dead_lettered_messages_total", "Messages sent to the DLQ.", "queue", "reason"
+            ),
+            stale_settles=counter(
+                "stale_settles_total",
+                "Acks/nacks dropped because the delivery's channel had died.",
+                "queue",
+            ),
+            ack_batches=counter(
+                "ack_batches_total", "basic.ack frames sent (multiple or single).", "queue"
+            ),
+        )
+
+    def collectors(self) -> list[object]:
+        """All collectors, for documentation and tests."""
+        return [getattr(self, field.name) for field in fields(self)]
+
+
+_LOCK = threading.Lock()
+_CACHE: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Metrics]] = (
+    weakref.WeakKeyDictionary()
+)

@@ -1,0 +1,88 @@
+"""Shared fixtures: the real broker, per-test queues, fresh metric registries.
+
+Under CI (``CI=true``) a missing broker fails the run; on a laptop without one
+the broker tests skip, and say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import aio_pika
+import pytest
+from prometheus_client import CollectorRegistry
+
+from reliable_mq.testing import TCPProxy
+from tests.support.amqp import wait_for_amqp_sync
+
+BROKER_URL = os.environ.get("RELIABLE_MQ_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
+BROKER_PORT = 5672
+
+
+@pytest.fixture(scope="session")
+def broker_url() -> str:
+    """The shared broker's URL, after a real AMQP handshake succeeded."""
+    try:
+        wait_for_amqp_sync(BROKER_URL, timeout=20)
+    except Exception as exc:
+        message = f"RabbitMQ is not reachable at 127.0.0.1:{BROKER_PORT}: {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return BROKER_URL
+
+
+@pytest.fixture
+async def amqp(broker_url: str) -> AsyncIterator[aio_pika.abc.AbstractChannel]:
+    """A plain aio-pika channel for test set-up and inspection."""
+    connection = await aio_pika.connect(broker_url)
+    async with connection:
+        yield await connection.channel()
+
+
+@pytest.fixture
+async def queue(amqp: aio_pika.abc.AbstractChannel) -> AsyncIterator[str]:
+    """A fresh durable queue, deleted after the test."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    declared = await amqp.declare_queue(name, durable=True)
+    yield name
+    await declared.delete(if_unused=False, if_empty=False)
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+async def proxy(broker_url: str) -> AsyncIterator[TCPProxy]:
+    """A TCP proxy in front of the shared broker, for cutting connections."""
+    async with TCPProxy("127.0.0.1", BROKER_PORT) as running:
+        yield running
+
+
+def proxied_url(proxy: TCPProxy) -> str:
+    return f"amqp://guest:guest@127.0.0.1:{proxy.port}/"
+
+
+@pytest.fixture(scope="module")
+def private_broker() -> Iterator[object]:
+    """A private RabbitMQ node (own ports and data) that tests may kill or restart."""
+    from tests.support.private_node import running_private_node
+
+    with running_private_node("rtest") as node:
+        yield node
+
+
+async def wait_until(predicate: object, timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Poll ``predicate()`` until true, failing the test after ``timeout`` seconds."""
+    assert callable(predicate)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            pytest.fail(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)

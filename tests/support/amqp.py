@@ -1,0 +1,130 @@
+"""Small AMQP helpers for tests: wait for a broker, drain a queue."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, NamedTuple, TypeVar
+
+import aio_pika
+from aio_pika.abc import AbstractIncomingMessage
+
+from reliable_mq._sync import run_sync
+
+__all__ = (
+    "DrainedMessage",
+    "drain_queue",
+    "drain_queue_sync",
+    "run_sync",
+    "wait_for_amqp",
+    "wait_for_amqp_sync",
+)
+
+_T = TypeVar("_T")
+
+
+class DrainedMessage(NamedTuple):
+    """What `drain_queue` keeps of each delivery."""
+
+    message_id: str | None
+    body: bytes
+    headers: dict[str, Any]
+    redelivered: bool
+
+
+async def wait_for_amqp(url: str, timeout: float = 60.0) -> None:
+    """Wait until a real AMQP handshake with `url` succeeds.
+
+    Opens a connection and closes it again, retrying until `timeout` seconds
+    have passed.
+
+    Raises:
+        TimeoutError: If no handshake succeeded in time (the last error is
+            chained).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last_error: BaseException | None = None
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise TimeoutError(f"no AMQP handshake with {url} in {timeout:.0f}s") from last_error
+        try:
+            connection = await aio_pika.connect(url, timeout=min(5.0, remaining))
+        except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as exc:
+            last_error = exc
+            await asyncio.sleep(min(0.2, max(deadline - loop.time(), 0)))
+            continue
+        await connection.close()
+        return
+
+
+async def drain_queue(
+    url: str,
+    queue: str,
+    *,
+    idle_timeout: float = 1.0,
+    prefetch: int = 500,
+) -> list[DrainedMessage]:
+    """Consume everything from `queue`, acking each message, until it is idle.
+
+    The queue must exist (it is declared passively). Draining stops once no
+    message arrived for `idle_timeout` seconds. Use this, not message counts,
+    to see what a queue holds.
+
+    Returns:
+        One record per delivery, in delivery order.
+    """
+    received: list[DrainedMessage] = []
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=prefetch)
+        amqp_queue = await channel.get_queue(queue, ensure=True)
+        activity = asyncio.Event()  # set on every delivery
+        settled = asyncio.Event()  # set while every delivery so far is acked
+        settled.set()
+        acked = 0
+
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            nonlocal acked
+            settled.clear()
+            activity.set()
+            received.append(
+                DrainedMessage(
+                    message.message_id,
+                    message.body,
+                    dict(message.headers),
+                    bool(message.redelivered),
+                )
+            )
+            await message.ack()
+            acked += 1
+            if acked == len(received):
+                settled.set()
+
+        consumer_tag = await amqp_queue.consume(on_message)
+        while True:
+            activity.clear()
+            try:
+                await asyncio.wait_for(activity.wait(), idle_timeout)
+            except TimeoutError:
+                break
+        await amqp_queue.cancel(consumer_tag)
+        # Deliveries that raced the cancel run in their own tasks: let them
+        # start and ack before the channel closes (closing would requeue them).
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(settled.wait(), 10)
+        await channel.close()
+    finally:
+        await connection.close()
+    return received
+
+
+def drain_queue_sync(url: str, queue: str, *, idle_timeout: float = 1.0) -> list[DrainedMessage]:
+    """Blocking version of `drain_queue`."""
+    return run_sync(lambda: drain_queue(url, queue, idle_timeout=idle_timeout))
+
+
+def wait_for_amqp_sync(url: str, timeout: float = 60.0) -> None:
+    """Blocking version of `wait_for_amqp`."""
+    run_sync(lambda: wait_for_amqp(url, timeout))
