@@ -1,0 +1,384 @@
+"""Handler registration, body decoding by annotation, ack policies and handler signals.
+
+A handler is an ``async def`` taking the decoded body, optionally followed by the
+:class:`~reliable_mq.delivery.Delivery`::
+
+    @router.handler("orders")
+    async def on_order(order: Order, delivery: Delivery) -> None: ...
+
+The body's annotation picks the decoder: a pydantic model (JSON, validated),
+``dict``/``list`` or any other type pydantic can validate (JSON), ``str``
+(UTF-8), ``bytes`` or no annotation (raw). A body that fails to decode is
+dead-lettered at once with the error in its headers; the handler never runs.
+
+Handlers steer the outcome by raising :class:`Retry` (delayed retry) or
+:class:`Reject` (dead-letter now). These are control-flow signals, not errors:
+they do not derive from :class:`~reliable_mq.errors.ReliableMQError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import json
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from .dedup.base import DedupStore
+from .delivery import Delivery
+from .topology import QueueType
+
+__all__ = (
+    "AckPolicy",
+    "BodyDecodeError",
+    "HandlerDedup",
+    "HandlerFunc",
+    "HandlerSpec",
+    "Reject",
+    "Retry",
+    "Router",
+    "USE_CONSUMER_DEDUP",
+    "UseConsumerDedup",
+    "decoder_for",
+)
+
+HandlerFunc = Callable[..., Awaitable[None]]
+"""An ``async def`` handler: ``(body)``, ``(body, delivery)`` or ``(delivery)``."""
+
+
+_F = TypeVar("_F", bound=HandlerFunc)
+
+
+class UseConsumerDedup(enum.Enum):
+    """The type of :data:`USE_CONSUMER_DEDUP`."""
+
+    TOKEN = "use-consumer-dedup"
+
+    def __repr__(self) -> str:
+        return "USE_CONSUMER_DEDUP"
+
+
+USE_CONSUMER_DEDUP = UseConsumerDedup.TOKEN
+"""A handler's ``dedup`` default: use the consumer's store (``None`` turns it off)."""
+
+HandlerDedup = DedupStore | None | UseConsumerDedup
+
+
+class Retry(Exception):
+    """Raise in a handler to retry the message later (delayed, counted as an attempt).
+
+    Args:
+        reason: recorded in the logs and, if attempts run out, in the DLQ headers.
+        delay: seconds; overrides the configured delay for this attempt (rounded
+            to the nearest declared retry queue).
+    """
+
+    def __init__(self, reason: str = "retry requested", *, delay: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.delay = delay
+
+
+class Reject(Exception):
+    """Raise in a handler to dead-letter the message now, without retries.
+
+    Args:
+        reason: recorded in the DLQ headers.
+    """
+
+    def __init__(self, reason: str = "rejected by handler") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class BodyDecodeError(Exception):
+    """The body does not match the handler's annotation (bad JSON, schema, content type)."""
+
+
+class AckPolicy(enum.StrEnum):
+    """What the consumer does with a delivery when its handler ends."""
+
+    RETRY_ON_ERROR = "retry_on_error"
+    """Default. Return: ack. Any exception (or a timeout): delayed retry, then the
+    DLQ after ``max_attempts``. ``Reject``: the DLQ at once."""
+    DEAD_LETTER_ON_ERROR = "dead_letter_on_error"
+    """Return: ack. ``Retry``: delayed retry. Any other exception: the DLQ at once."""
+    ACK_FIRST = "ack_first"
+    """At-most-once: ack before the handler runs; a failure is only logged."""
+    MANUAL = "manual"
+    """The handler settles with ``delivery.ack()`` / ``retry()`` / ``reject()``;
+    returning without settling is treated as a retry (with a warning), an
+    exception as under ``RETRY_ON_ERROR``."""
+
+
+_JSON_MARKERS = ("json",)
+
+
+def _check_json_content_type(content_type: str | None) -> None:
+    if content_type and not any(marker in content_type.lower() for marker in _JSON_MARKERS):
+        raise BodyDecodeError(f"content type {content_type!r} is not JSON")
+
+
+BodyDecoder = Callable[[bytes, "str | None"], Any]
+"""``(body, content_type) -> value``; raises :class:`BodyDecodeError`."""
+
+
+def _decode_bytes(body: bytes, content_type: str | None) -> Any:
+    return body
+
+
+def _decode_str(body: bytes, content_type: str | None) -> Any:
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyDecodeError(f"body is not UTF-8: {exc}") from None
+
+
+def _model_decoder(model: type[BaseModel]) -> BodyDecoder:
+    validate = model.model_validate_json
+
+    def decode(body: bytes, content_type: str | None) -> Any:
+        _check_json_content_type(content_type)
+        try:
+            return validate(body)
+        except ValidationError as exc:
+            raise BodyDecodeError(_describe_validation(exc)) from None
+
+    return decode
+
+
+def _adapter_decoder(annotation: Any) -> BodyDecoder:
+    adapter: TypeAdapter[Any] = TypeAdapter(annotation)
+    validate = adapter.validate_json
+
+    def decode(body: bytes, content_type: str | None) -> Any:
+        _check_json_content_type(content_type)
+        try:
+            return validate(body)
+        except ValidationError as exc:
+            raise BodyDecodeError(_describe_validation(exc)) from None
+
+    return decode
+
+
+def _json_decoder(body: bytes, content_type: str | None) -> Any:
+    _check_json_content_type(content_type)
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BodyDecodeError(f"invalid JSON: {exc}") from None
+
+
+def _describe_validation(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors(include_input=False, include_url=False)[:5]:
+        loc = ".".join(str(p) for p in error["loc"]) or "(body)"
+        parts.append(f"{loc}: {error['msg']}")
+    return f"{exc.error_count()} validation error(s): " + "; ".join(parts)
+
+
+def decoder_for(annotation: Any) -> BodyDecoder:
+    """Pick the body decoder for a parameter annotation (see module docstring)."""
+    if annotation in (inspect.Parameter.empty, bytes, Any, object):
+        return _decode_bytes
+    if annotation is str:
+        return _decode_str
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return _model_decoder(annotation)
+    if annotation in (dict, list):
+        return _adapter_decoder(annotation)
+    try:
+        return _adapter_decoder(annotation)
+    except Exception:  # pydantic cannot build a validator: fall back to plain JSON
+        return _json_decoder
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    """One registered handler and how to call it.
+
+    Attributes:
+        queue: the queue it consumes.
+        func: the user function.
+        decode: turns the body into the handler's first argument (None: the
+            handler takes only the delivery).
+        wants_delivery: whether the delivery is passed.
+        ack_policy: what to do with the outcome.
+        queue_type: the queue type to declare with the topology helper.
+        declare: declare the queue, its retry queues and DLQ on start.
+        queue_arguments: extra arguments for the work queue declaration.
+        dedup: this handler's de-duplication store, ``None`` for none, or
+            :data:`USE_CONSUMER_DEDUP` (the consumer's ``dedup``).
+    """
+
+    queue: str
+    func: HandlerFunc
+    decode: BodyDecoder | None
+    wants_delivery: bool
+    ack_policy: AckPolicy = AckPolicy.RETRY_ON_ERROR
+    queue_type: QueueType = QueueType.CLASSIC
+    declare: bool = True
+    queue_arguments: dict[str, Any] = field(default_factory=dict)
+    dedup: HandlerDedup = USE_CONSUMER_DEDUP
+
+    @classmethod
+    def build(
+        cls,
+        queue: str,
+        func: HandlerFunc,
+        *,
+        ack_policy: AckPolicy = AckPolicy.RETRY_ON_ERROR,
+        queue_type: QueueType | str = QueueType.CLASSIC,
+        declare: bool = True,
+        queue_arguments: dict[str, Any] | None = None,
+        dedup: HandlerDedup = USE_CONSUMER_DEDUP,
+    ) -> HandlerSpec:
+        """Inspect ``func`` and build its spec.
+
+        Raises:
+            TypeError: ``func`` is not an ``async def`` with a supported signature.
+        """
+        if not queue:
+            raise ValueError("queue name must not be empty")
+        if not inspect.iscoroutinefunction(func):
+            raise TypeError(f"handler {func!r} must be an async def function")
+        signature = inspect.signature(func)
+        try:
+            hints = typing.get_type_hints(func)
+        except Exception:  # unresolvable forward references: use the raw annotations
+            hints = {}
+        params = [
+            p
+            for p in signature.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        required_extra = [
+            p
+            for p in signature.parameters.values()
+            if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+        ]
+        if required_extra or not 1 <= len(params) <= 2:
+            raise TypeError(
+                f"handler {func.__qualname__} must take (body), (body, delivery) or (delivery)"
+            )
+        annotations = [hints.get(p.name, p.annotation) for p in params]
+        for index, annotation in enumerate(annotations):
+            if isinstance(annotation, str):
+                if annotation.rsplit(".", 1)[-1] == "Delivery":
+                    annotations[index] = Delivery
+                else:
+                    raise TypeError(
+                        f"handler {func.__qualname__}: cannot resolve the annotation "
+                        f"{annotation!r}; define the type at module level"
+                    )
+        decode: BodyDecoder | None
+        if len(params) == 1 and annotations[0] is Delivery:
+            decode, wants_delivery = None, True
+        else:
+            decode = decoder_for(annotations[0])
+            wants_delivery = len(params) == 2
+        return cls(
+            queue=queue,
+            func=func,
+            decode=decode,
+            wants_delivery=wants_delivery,
+            ack_policy=AckPolicy(ack_policy),
+            queue_type=QueueType(queue_type),
+            declare=declare,
+            queue_arguments=dict(queue_arguments or {}),
+            dedup=dedup,
+        )
+
+
+class Router:
+    """Collects handlers; a :class:`~reliable_mq.consumer.ReliableConsumer` is one.
+
+    Build handlers in a module with a router, then
+    ``consumer.include_router(router)``.
+    """
+
+    def __init__(self) -> None:
+        self._specs: dict[str, HandlerSpec] = {}
+
+    @property
+    def handlers(self) -> tuple[HandlerSpec, ...]:
+        return tuple(self._specs.values())
+
+    def add_handler(
+        self,
+        queue: str,
+        func: HandlerFunc,
+        *,
+        ack_policy: AckPolicy = AckPolicy.RETRY_ON_ERROR,
+        queue_type: QueueType | str = QueueType.CLASSIC,
+        declare: bool = True,
+        queue_arguments: dict[str, Any] | None = None,
+        dedup: HandlerDedup = USE_CONSUMER_DEDUP,
+    ) -> HandlerSpec:
+        """Register ``func`` for ``queue`` (one handler per queue).
+
+        ``dedup`` overrides the consumer's de-duplication store for this
+        handler: a :class:`~reliable_mq.dedup.DedupStore`, or ``None`` to run
+        every copy of a message.
+
+        Raises:
+            ValueError: ``queue`` already has a handler.
+            TypeError: ``func`` has an unsupported signature.
+        """
+        if queue in self._specs:
+            raise ValueError(f"queue {queue!r} already has a handler")
+        spec = HandlerSpec.build(
+            queue,
+            func,
+            ack_policy=ack_policy,
+            queue_type=queue_type,
+            declare=declare,
+            queue_arguments=queue_arguments,
+            dedup=dedup,
+        )
+        self._add_spec(spec)
+        return spec
+
+    def _add_spec(self, spec: HandlerSpec) -> None:
+        if spec.queue in self._specs:
+            raise ValueError(f"queue {spec.queue!r} already has a handler")
+        self._specs[spec.queue] = spec
+
+    def handler(
+        self,
+        queue: str,
+        *,
+        ack_policy: AckPolicy = AckPolicy.RETRY_ON_ERROR,
+        queue_type: QueueType | str = QueueType.CLASSIC,
+        declare: bool = True,
+        queue_arguments: dict[str, Any] | None = None,
+        dedup: HandlerDedup = USE_CONSUMER_DEDUP,
+    ) -> Callable[[_F], _F]:
+        """Decorator form of :meth:`add_handler`; returns the function unchanged."""
+
+        def register(func: _F) -> _F:
+            self.add_handler(
+                queue,
+                func,
+                ack_policy=ack_policy,
+                queue_type=queue_type,
+                declare=declare,
+                queue_arguments=queue_arguments,
+                dedup=dedup,
+            )
+            return func
+
+        return register
+
+    def include_router(self, router: Router) -> None:
+        """Add every handler of ``router``.
+
+        Raises:
+            ValueError: a queue already has a handler.
+        """
+        for spec in router.handlers:
+            self._add_spec(spec)

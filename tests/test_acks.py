@@ -1,0 +1,184 @@
+"""Unit tests of the batched-ack bookkeeping (reliable_mq._acks), no broker."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from reliable_mq._acks import AckTracker, TagState
+
+
+class _Broker:
+    """The broker's view of one channel: outstanding tags and what settled them."""
+
+    def __init__(self) -> None:
+        self.outstanding: set[int] = set()
+        self.acked: list[int] = []
+        self.nacked: list[int] = []
+        self.next_tag = 1
+
+    def deliver(self) -> int:
+        tag = self.next_tag
+        self.next_tag += 1
+        self.outstanding.add(tag)
+        return tag
+
+    def ack(self, tag: int, *, multiple: bool) -> None:
+        assert tag in self.outstanding, f"PRECONDITION_FAILED - unknown delivery tag {tag}"
+        covered = sorted(t for t in self.outstanding if t <= tag) if multiple else [tag]
+        for t in covered:
+            self.outstanding.remove(t)
+            self.acked.append(t)
+
+    def nack(self, tag: int) -> None:
+        assert tag in self.outstanding, f"PRECONDITION_FAILED - unknown delivery tag {tag}"
+        self.outstanding.remove(tag)
+        self.nacked.append(tag)
+
+
+def _send_prefix(tracker: AckTracker, broker: _Broker) -> None:
+    tag, count = tracker.take_prefix()
+    if tag is not None:
+        broker.ack(tag, multiple=count > 1)
+
+
+class TestAckTracker:
+    def test_in_order_prefix_is_one_multiple_ack(self) -> None:
+        """Five finished deliveries in order are acked by one frame naming the last."""
+        tracker = AckTracker()
+        for tag in range(1, 6):
+            tracker.delivered(tag)
+            tracker.finish(tag)
+        assert tracker.pending == 5
+        assert tracker.take_prefix() == (5, 5)
+        assert len(tracker) == 0
+        assert tracker.pending == 0
+
+    def test_in_progress_head_blocks_the_prefix(self) -> None:
+        """A delivery still in its handler is never covered by a multiple ack."""
+        tracker = AckTracker()
+        for tag in range(1, 5):
+            tracker.delivered(tag)
+        for tag in (2, 3, 4):
+            tracker.finish(tag)
+        assert tracker.blocked()
+        assert tracker.take_prefix() == (None, 0)
+        tracker.finish(1)
+        assert tracker.take_prefix() == (4, 4)
+
+    def test_prefix_stops_at_the_first_in_progress(self) -> None:
+        """Only the contiguous finished run is taken; later finished tags wait."""
+        tracker = AckTracker()
+        for tag in range(1, 7):
+            tracker.delivered(tag)
+        for tag in (1, 2, 4, 5):
+            tracker.finish(tag)
+        assert tracker.take_prefix() == (2, 2)
+        assert tracker.state(3) is TagState.IN_PROGRESS
+        assert tracker.pending == 2
+
+    def test_settled_tag_is_never_named_by_an_ack(self) -> None:
+        """A nacked tag at the end of the prefix does not become the multiple-ack tag."""
+        tracker = AckTracker()
+        for tag in range(1, 4):
+            tracker.delivered(tag)
+        tracker.finish(1)
+        tracker.finish(2)
+        assert tracker.settle(3)
+        assert tracker.take_prefix() == (2, 2)
+        assert len(tracker) == 0
+
+    def test_prefix_of_only_settled_tags_sends_nothing(self) -> None:
+        """A prefix of individually settled tags is dropped without a frame."""
+        tracker = AckTracker()
+        tracker.delivered(1)
+        tracker.delivered(2)
+        tracker.settle(1)
+        tracker.settle(2)
+        assert tracker.take_prefix() == (None, 0)
+        assert len(tracker) == 0
+
+    def test_stragglers_are_taken_once(self) -> None:
+        """Finished tags behind a slow one are handed out once, then never again."""
+        tracker = AckTracker()
+        for tag in range(1, 5):
+            tracker.delivered(tag)
+        tracker.finish(3)
+        tracker.finish(4)
+        assert tracker.take_prefix() == (None, 0)
+        assert tracker.take_stragglers() == [3, 4]
+        assert tracker.pending == 0
+        assert tracker.take_stragglers() == []
+        tracker.finish(1)
+        tracker.finish(2)
+        assert tracker.take_prefix() == (2, 2)
+        assert len(tracker) == 0
+
+    def test_double_finish_and_settle_are_refused(self) -> None:
+        """A tag can leave IN_PROGRESS only once."""
+        tracker = AckTracker()
+        tracker.delivered(1)
+        assert tracker.finish(1)
+        assert not tracker.finish(1)
+        assert not tracker.settle(1)
+        assert tracker.pending == 1
+        assert not tracker.finish(99)
+
+    def test_out_of_order_delivery_is_an_error(self) -> None:
+        """Tags must be consecutive (one consumer per channel)."""
+        tracker = AckTracker()
+        tracker.delivered(1)
+        with pytest.raises(ValueError, match="out of order"):
+            tracker.delivered(3)
+
+    def test_empty_tracker_may_start_at_any_tag(self) -> None:
+        """After everything was taken, the next tag may skip ahead."""
+        tracker = AckTracker()
+        tracker.delivered(5)
+        tracker.finish(5)
+        assert tracker.take_prefix() == (5, 1)
+        tracker.delivered(9)
+        assert tracker.in_progress() == [9]
+
+    @pytest.mark.parametrize("seed", range(25))
+    def test_random_schedule_settles_each_tag_exactly_once(self, seed: int) -> None:
+        """Random out-of-order finishes, nacks and flushes: no loss, no double settle."""
+        rng = random.Random(seed)
+        broker = _Broker()
+        tracker = AckTracker()
+        in_progress: list[int] = []
+        expected_acks: set[int] = set()
+        expected_nacks: set[int] = set()
+        for _ in range(2000):
+            roll = rng.random()
+            if roll < 0.35 and len(in_progress) < 50:
+                tag = broker.deliver()
+                tracker.delivered(tag)
+                in_progress.append(tag)
+            elif roll < 0.75 and in_progress:
+                tag = in_progress.pop(rng.randrange(len(in_progress)))
+                if rng.random() < 0.1:
+                    assert tracker.settle(tag)
+                    broker.nack(tag)
+                    expected_nacks.add(tag)
+                else:
+                    assert tracker.finish(tag)
+                    expected_acks.add(tag)
+                    if tracker.pending >= 8:
+                        _send_prefix(tracker, broker)
+            elif roll < 0.85:
+                _send_prefix(tracker, broker)
+                for tag in tracker.take_stragglers():
+                    broker.ack(tag, multiple=False)
+            # every tag the broker considers acked must have finished
+            assert set(broker.acked) <= expected_acks
+        for tag in in_progress:
+            tracker.finish(tag)
+            expected_acks.add(tag)
+        _send_prefix(tracker, broker)
+        assert tracker.take_stragglers() == []
+        assert not broker.outstanding
+        assert sorted(broker.acked) == sorted(expected_acks)
+        assert len(broker.acked) == len(set(broker.acked))
+        assert set(broker.nacked) == expected_nacks
