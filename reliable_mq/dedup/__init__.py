@@ -1,0 +1,19 @@
+"""De-duplication stores for idempotent consumers.
+
+``MemoryDedupStore`` (one process) and ``SQLiteDedupStore`` (one host) are
+here; ``RedisDedupStore`` (every host) lives in :mod:`reliable_mq.dedup.redis`
+and needs the ``redis`` extra: ``pip install 'reliable-mq[redis]'``.
+"""
+
+from .base import AlreadyProcessed, ClaimResult, DedupStore, DedupStoreUnavailable
+from .memory import MemoryDedupStore
+from .sqlite import SQLiteDedupStore
+
+__all__ = (
+    "AlreadyProcessed",
+    "ClaimResult",
+    "DedupStore",
+    "DedupStoreUnavailable",
+    "MemoryDedupStore",
+    "SQLiteDedupStore",
+)
