@@ -1,0 +1,208 @@
+"""mkdocs hook: tables generated from the code, so the docs never drift from it.
+
+Listed under ``hooks:`` in ``mkdocs.yml``. A page that contains one of these
+markers gets it replaced at build time:
+
+``<!-- reliable_mq:config -->``
+    every settings class in :mod:`reliable_mq.settings`: environment variable,
+    type, default, constraints and description of each field.
+``<!-- reliable_mq:metrics -->``
+    every collector of :class:`reliable_mq.metrics.Metrics`: exposed name, type,
+    labels and meaning.
+``<!-- reliable_mq:exports -->``
+    the names ``reliable_mq`` exports and the module each is defined in.
+
+Run it directly (``python docs/gen_config.py``) to print the three tables.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
+
+_MARKER = re.compile(r"<!--\s*reliable_mq:(\w+)\s*-->")
+_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
+
+_CONSTRAINTS = {
+    "ge": "≥ {}",
+    "gt": "> {}",
+    "le": "≤ {}",
+    "lt": "< {}",
+    "min_length": "length ≥ {}",
+    "max_length": "length ≤ {}",
+}
+
+
+def _markdown(text: str) -> str:
+    """reST roles and double backticks from docstrings, as Markdown code."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
+
+
+def _escape(text: str) -> str:
+    return _markdown(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _type_name(annotation: Any) -> str:
+    if annotation is None or annotation is type(None):
+        return "None"
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(arg) for arg in typing.get_args(annotation))
+    if origin is tuple:
+        args = typing.get_args(annotation)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"tuple[{_type_name(args[0])}, ...]"
+        return f"tuple[{', '.join(_type_name(a) for a in args)}]"
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def _default(field: FieldInfo) -> str:
+    if field.is_required():
+        return "*required*"
+    value = field.default
+    if isinstance(value, SecretStr):
+        shown = _PASSWORD.sub(r"\1***@", value.get_secret_value())
+        return f"`{shown}`"
+    if isinstance(value, tuple):
+        return (
+            "`"
+            + ", ".join(f"{item:g}" if isinstance(item, float) else str(item) for item in value)
+            + "`"
+        )
+    return f"`{value!r}`"
+
+
+def _constraints(field: FieldInfo) -> list[str]:
+    found: list[str] = []
+    for item in field.metadata:
+        for attr, template in _CONSTRAINTS.items():
+            value = getattr(item, attr, None)
+            if value is not None:
+                found.append(template.format(value))
+    return found
+
+
+def _settings_classes() -> list[type[BaseSettings]]:
+    settings = importlib.import_module("reliable_mq.settings")
+    classes = []
+    for name in settings.__all__:
+        obj = getattr(settings, name)
+        if inspect.isclass(obj) and issubclass(obj, BaseSettings):
+            classes.append(obj)
+    return classes
+
+
+def config_tables() -> str:
+    """One section per settings class, one row per field."""
+    out: list[str] = []
+    for cls in _settings_classes():
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        doc = inspect.getdoc(cls) or ""
+        summary = doc.split("\n\n", 1)[0].replace("\n", " ")
+        out.append(f"## `{cls.__name__}`\n")
+        out.append(f"{_markdown(summary)}\n")
+        out.append(
+            f"Environment prefix: `{prefix}`. Class: [`{cls.__module__}.{cls.__name__}`][{cls.__module__}.{cls.__name__}].\n"
+        )
+        out.append("| Field | Environment variable | Type | Default | Constraints and meaning |")
+        out.append("|---|---|---|---|---|")
+        for name, field in cls.model_fields.items():
+            meaning = [*_constraints(field)]
+            if field.description:
+                meaning.append(field.description)
+            annotation = field.annotation
+            env = f"`{prefix}{name.upper()}`"
+            if (inspect.isclass(annotation) and issubclass(annotation, BaseSettings)) or any(
+                inspect.isclass(arg) and issubclass(arg, BaseSettings)
+                for arg in typing.get_args(annotation)
+            ):
+                meaning.append("a JSON object in the variable; its own variables fill the rest")
+            out.append(
+                f"| `{name}` | {env} | `{_escape(_type_name(annotation))}` | {_escape(_default(field))} "
+                f"| {_escape('; '.join(meaning)) or '—'} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def metrics_table() -> str:
+    """Every collector, as Prometheus exposes it."""
+    metrics_module = importlib.import_module("reliable_mq.metrics")
+    metrics = metrics_module.Metrics.on(CollectorRegistry())
+    rows = ["| Metric | Type | Labels | Meaning | `Metrics` field |", "|---|---|---|---|---|"]
+    for field_name in metrics.__dataclass_fields__:
+        collector = getattr(metrics, field_name)
+        kind: str = collector._type
+        name: str = collector._name
+        exposed = {
+            "counter": f"{name}_total",
+            "histogram": f"{name}_bucket / _sum / _count",
+        }.get(kind, name)
+        labels = ", ".join(f"`{label}`" for label in collector._labelnames) or "—"
+        rows.append(
+            f"| `{exposed}` | {kind} | {labels} | {_escape(collector._documentation)} | `{field_name}` |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _documented_modules() -> set[str]:
+    """Modules rendered by a ``::: module`` line somewhere under docs/reference/."""
+    found: set[str] = set()
+    for page in (Path(__file__).parent / "reference").glob("*.md"):
+        found.update(re.findall(r"^:::\s+([\w.]+)\s*$", page.read_text(), re.MULTILINE))
+    return found
+
+
+def exports_table() -> str:
+    """The package's public names and where each is defined (linked when documented)."""
+    package = importlib.import_module("reliable_mq")
+    documented = _documented_modules()
+    rows = ["| Name | Kind | Defined in |", "|---|---|---|"]
+    for name in package.__all__:
+        obj = getattr(package, name)
+        if name == "__version__":
+            rows.append(f"| `__version__` | str | `{obj}` |")
+            continue
+        module = getattr(obj, "__module__", "reliable_mq")
+        kind = (
+            "exception"
+            if inspect.isclass(obj) and issubclass(obj, BaseException)
+            else ("class" if inspect.isclass(obj) else "function")
+        )
+        label = f"[`{name}`][{module}.{name}]" if module in documented else f"`{name}`"
+        rows.append(f"| {label} | {kind} | `{module}` |")
+    return "\n".join(rows) + "\n"
+
+
+_GENERATORS = {"config": config_tables, "metrics": metrics_table, "exports": exports_table}
+
+
+def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+    """mkdocs event: replace each marker by its generated table."""
+
+    def replace(match: re.Match[str]) -> str:
+        generator = _GENERATORS.get(match.group(1))
+        if generator is None:
+            raise ValueError(f"unknown docs marker {match.group(0)}")
+        return generator()
+
+    return _MARKER.sub(replace, markdown)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write("\n".join((config_tables(), metrics_table(), exports_table())))

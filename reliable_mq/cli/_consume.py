@@ -1,0 +1,249 @@
+"""``consume``: print or save the messages of a queue, settling each exactly once.
+
+Each message is written (and, with ``--output``, flushed and fsynced) *before*
+it is settled, so ``--ack-mode ack`` never removes a message that did not reach
+the output. ``requeue`` holds every message unacknowledged until the command
+ends and then returns them all, so the broker never hands the same message
+back during the run (a peek); ``reject`` drops them, or dead-letters them when
+the queue has a dead-letter exchange (queues declared by ``topology`` do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import stat
+import sys
+from typing import IO, Any
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from ._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CLIError,
+    CommandFailed,
+    message_record,
+    open_connection,
+    open_queue,
+    positive_float,
+    positive_int,
+    prefetch_count,
+)
+
+__all__ = ("add_consume_arguments", "run_consume")
+
+_ACK_MODES = ("ack", "requeue", "reject")
+
+
+def add_consume_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("queue", help="the queue to consume from (it must exist)")
+    parser.add_argument(
+        "--ack-mode",
+        choices=_ACK_MODES,
+        default="ack",
+        help="ack: remove each message once written (default); requeue: peek, every "
+        "message goes back to the queue when the command ends; reject: discard each "
+        "message once written (dead-lettered if the queue has a dead-letter exchange)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per line: message_id, exchange, routing_key, redelivered, "
+        "content_type, headers, body (base64 with body_encoding when not UTF-8)",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="append to FILE instead of stdout (flushed and fsynced before messages are "
+        "settled; never truncated, so a second run cannot lose the first one's messages)",
+    )
+    parser.add_argument(
+        "-n", "--count", type=positive_int, metavar="N", help="stop after N messages"
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=positive_float,
+        metavar="S",
+        help="stop when no message arrived for S seconds (default: wait for more until "
+        "--count, Ctrl-C or SIGTERM)",
+    )
+    parser.add_argument(
+        "--prefetch",
+        type=prefetch_count,
+        default=100,
+        help="unacknowledged messages at most (basic.qos, default: %(default)s); with "
+        "--ack-mode requeue the most messages one run shows, unless --count is larger",
+    )
+
+
+def _open_output(path: str | None) -> IO[bytes]:
+    if path is None:
+        return sys.stdout.buffer
+    try:
+        return open(path, "ab")
+    except OSError as exc:
+        raise CLIError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def _render(message: AbstractIncomingMessage, as_json: bool) -> bytes:
+    if as_json:
+        return json.dumps(message_record(message), ensure_ascii=False).encode() + b"\n"
+    return message.body + b"\n"
+
+
+def _durable_flush(output: IO[bytes]) -> None:
+    """Flush, and fsync when the output is a regular file (a pipe or terminal cannot be)."""
+    output.flush()
+    fileno = output.fileno()
+    if stat.S_ISREG(os.fstat(fileno).st_mode):
+        os.fsync(fileno)
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the exit flush cannot fail."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+async def _next_batch(
+    inbox: asyncio.Queue[AbstractIncomingMessage | None],
+    stop: asyncio.Event,
+    idle_timeout: float | None,
+    room: int,
+) -> list[AbstractIncomingMessage | None] | None:
+    """Wait for at least one message (None: stop or idle), then take what is ready."""
+    if inbox.empty():
+        getter = asyncio.ensure_future(inbox.get())
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait(
+                (getter, stopper), timeout=idle_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            stopper.cancel()
+            if not getter.done():
+                getter.cancel()
+        if not getter.done() or getter.cancelled():
+            return None
+        batch = [getter.result()]
+    else:
+        batch = [inbox.get_nowait()]
+    while len(batch) < room and not inbox.empty() and batch[-1] is not None:
+        batch.append(inbox.get_nowait())
+    return batch
+
+
+async def run_consume(args: argparse.Namespace) -> int:
+    """Write messages of ``args.queue`` to stdout or a file and settle each once."""
+    output = _open_output(args.output)
+    requeue = args.ack_mode == "requeue"
+    window = max(args.prefetch, args.count or 0) if requeue else args.prefetch
+    window = min(window, 65535)
+    limit: int | None = args.count if args.count else (window if requeue else None)
+    written = 0
+    held: list[AbstractIncomingMessage] = []
+    failure: str | None = None
+    broken_pipe = False
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    try:
+        async with open_connection(args) as connection:
+            channel, queue, _ = await open_queue(connection, args.queue)
+            await channel.set_qos(prefetch_count=window)
+            inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
+
+            def on_close(*_: Any) -> None:
+                inbox.put_nowait(None)
+
+            channel.close_callbacks.add(on_close)
+
+            async def on_message(message: AbstractIncomingMessage) -> None:
+                inbox.put_nowait(message)
+
+            consumer_tag = await queue.consume(on_message, no_ack=False)
+            pending: list[AbstractIncomingMessage] = []
+            try:
+                while (limit is None or written < limit) and not stop.is_set():
+                    room = limit - written if limit is not None else window
+                    batch = await _next_batch(inbox, stop, args.idle_timeout, room)
+                    if batch is None:
+                        break
+                    messages = [m for m in batch if m is not None]
+                    pending = messages
+                    if len(messages) < len(batch):
+                        # The channel closed: its deliveries are back in the queue already.
+                        failure = "the channel to the broker closed"
+                        break
+                    try:
+                        for message in messages:
+                            output.write(_render(message, args.json))
+                        _durable_flush(output)
+                    except BrokenPipeError:
+                        broken_pipe = True
+                        _silence_stdout()
+                        break
+                    except OSError as exc:
+                        failure = f"cannot write the output: {exc}"
+                        break
+                    pending = []
+                    for message in messages:
+                        if requeue:
+                            held.append(message)
+                        elif args.ack_mode == "reject":
+                            await message.nack(requeue=False)
+                        else:
+                            await message.ack()
+                    written += len(messages)
+                if channel.is_closed:
+                    failure = failure or "the channel to the broker closed"
+                else:
+                    # No new deliveries; whatever arrived but was not written goes back.
+                    await queue.cancel(consumer_tag)
+                    await asyncio.sleep(0)
+                    while not inbox.empty():
+                        extra = inbox.get_nowait()
+                        if extra is not None:
+                            pending.append(extra)
+                    for message in [*held, *pending]:
+                        if not message.processed:
+                            await message.nack(requeue=True)
+                    await channel.close()
+            except CommandFailed:
+                raise
+            except Exception as exc:
+                if not channel.is_closed:
+                    raise
+                failure = f"the channel to the broker closed: {exc}"
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        if output is not sys.stdout.buffer:
+            output.close()
+    verb = {"ack": "acked", "requeue": "requeued (still in the queue)", "reject": "rejected"}
+    print(
+        f"reliable-mq: {written:,} message(s) from {args.queue!r} written and "
+        f"{verb[args.ack_mode]}",
+        file=sys.stderr,
+    )
+    if broken_pipe:
+        print("reliable-mq: output closed; unwritten messages stay in the queue", file=sys.stderr)
+        return EXIT_FAILED
+    if failure is not None:
+        print(
+            f"reliable-mq: error: {failure}; unsettled messages return to the queue",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    return EXIT_OK

@@ -1,0 +1,379 @@
+"""``dlq list|show|move``: inspect dead-lettered messages and send them back.
+
+Browsing never removes a message: each is fetched with ``basic.get`` and held
+unacknowledged (so the broker cannot hand it out again during the scan), and
+everything not moved is returned with ``basic.nack(requeue=true)`` at the end;
+the broker puts requeued messages back in their original position. Only the
+messages that were in the DLQ when the command started are scanned, so a
+message that fails again at once cannot make ``move --all`` loop.
+
+``move`` republishes each selected message to its original queue through a
+:class:`~reliable_mq.publisher.ReliablePublisher` (confirms, mandatory, same
+``message_id``, attempt count and dead-letter headers removed) and acks it in
+the DLQ only once the broker has confirmed the copy: a crash in between leaves
+a duplicate (same ``message_id``), never a loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, NamedTuple
+
+import aio_pika
+from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from prometheus_client import CollectorRegistry
+
+from .._session import DEAD_LETTER_HEADERS, LAST_ERROR_HEADER
+from ..delivery import ATTEMPT_HEADER
+from ..errors import PublishError
+from ..publisher import ReliablePublisher
+from ..settings import PublisherSettings
+from ._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_common_arguments,
+    connection_settings,
+    jsonable,
+    message_record,
+    open_connection,
+    open_queue,
+    positive_float,
+    positive_int,
+    print_table,
+    redact,
+)
+
+__all__ = (
+    "MOVED_FROM_HEADER",
+    "DeadLetterInfo",
+    "add_dlq_arguments",
+    "moved_headers",
+    "run_dlq",
+)
+
+MOVED_FROM_HEADER = "x-reliable-mq-moved-from"
+"""Set on a message ``dlq move`` sent back: the DLQ it came from."""
+
+_REASON, _ERROR_TYPE, _ERROR_MESSAGE, _ATTEMPTS, _QUEUE, _AT = DEAD_LETTER_HEADERS
+_STRIP_ON_MOVE = frozenset(
+    {
+        *DEAD_LETTER_HEADERS,
+        ATTEMPT_HEADER,
+        LAST_ERROR_HEADER,
+        MOVED_FROM_HEADER,
+        "x-death",
+        "x-delivery-count",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+    }
+)
+
+
+class DeadLetterInfo(NamedTuple):
+    """Why and from where a message was dead-lettered, read from its headers.
+
+    Messages dead-lettered by the consumer carry ``x-reliable-mq-*`` headers;
+    those dead-lettered by the broker (a plain reject, an expiry) carry
+    ``x-death``, which is used when the former are missing.
+    """
+
+    reason: str
+    error: str
+    attempts: str
+    queue: str | None
+    at: str
+
+    @classmethod
+    def of(cls, headers: Mapping[str, Any]) -> DeadLetterInfo:
+        def text(name: str) -> str:
+            value = jsonable(headers.get(name))
+            return "" if value is None else str(value)
+
+        if headers.get(_REASON) is not None:
+            error_type, error_message = text(_ERROR_TYPE), text(_ERROR_MESSAGE)
+            error = f"{error_type}: {error_message}" if error_type else error_message
+            return cls(text(_REASON), error, text(_ATTEMPTS), text(_QUEUE) or None, text(_AT))
+        deaths = headers.get("x-death")
+        if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+            death = deaths[0]
+            queue = jsonable(death.get("queue"))
+            return cls(
+                f"broker:{jsonable(death.get('reason'))}",
+                "",
+                str(jsonable(death.get("count", ""))),
+                str(queue) if queue else None,
+                str(jsonable(death.get("time", ""))),
+            )
+        return cls("unknown", "", "", None, "")
+
+
+def _dlq_name(args: argparse.Namespace) -> str:
+    name: str = args.dlq or f"{args.queue}.dlq"
+    return name
+
+
+def add_dlq_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="dlq_command", metavar="ACTION", required=True)
+
+    def action(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = actions.add_parser(
+            name, help=help_text, description=help_text[:1].upper() + help_text[1:]
+        )
+        sub.add_argument("queue", help="the work queue whose dead letters to look at")
+        sub.add_argument("--dlq", metavar="NAME", help="the dead-letter queue (default: QUEUE.dlq)")
+        return sub
+
+    listing = action("list", "count and summarize dead-lettered messages, leaving them in place")
+    listing.add_argument(
+        "--limit",
+        type=positive_int,
+        default=100,
+        help="summarize at most this many messages (default: %(default)s)",
+    )
+    listing.add_argument("--json", action="store_true", help="one JSON object per message")
+    add_common_arguments(listing)
+
+    show = action("show", "print dead-lettered messages in full (headers and body), in place")
+    show.add_argument("--message-id", required=True, metavar="ID", help="the message to show")
+    add_common_arguments(show)
+
+    move = action(
+        "move", "republish dead-lettered messages to their queue with confirms, then ack them"
+    )
+    which = move.add_mutually_exclusive_group(required=True)
+    which.add_argument("--message-id", metavar="ID", help="move the messages with this id")
+    which.add_argument("--all", action="store_true", help="move every message in the DLQ")
+    move.add_argument(
+        "--to",
+        metavar="QUEUE",
+        help="send them to this queue (default: the queue each was dead-lettered from, "
+        "from its headers, else QUEUE)",
+    )
+    move.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=60.0,
+        help="deadline of each republish in seconds (default: %(default)s)",
+    )
+    add_common_arguments(move)
+
+
+async def run_dlq(args: argparse.Namespace) -> int:
+    """Dispatch to ``list``, ``show`` or ``move``."""
+    if args.dlq_command == "list":
+        return await _list(args)
+    if args.dlq_command == "show":
+        return await _show(args)
+    return await _move(args)
+
+
+class _Browser:
+    """Fetches a queue's messages with ``basic.get``, holding each unacknowledged."""
+
+    def __init__(self, queue: AbstractQueue, limit: int) -> None:
+        self._queue = queue
+        self._limit = limit
+        self.held: list[AbstractIncomingMessage] = []
+
+    async def messages(self) -> AsyncIterator[AbstractIncomingMessage]:
+        while len(self.held) < self._limit:
+            message = await self._queue.get(no_ack=False, fail=False, timeout=30)
+            if message is None:
+                return
+            self.held.append(message)
+            yield message
+
+    async def release(self) -> None:
+        """Return every message not settled otherwise to the queue (one frame)."""
+        unsettled = [message for message in self.held if not message.processed]
+        if unsettled:
+            # Held tags are ascending and the rest were acked singly, so
+            # multiple=true on the highest unsettled tag covers exactly these.
+            await unsettled[-1].nack(multiple=True, requeue=True)
+
+
+async def _list(args: argparse.Namespace) -> int:
+    name = _dlq_name(args)
+    async with open_connection(args) as connection:
+        channel, queue, total = await open_queue(connection, name, what="dead-letter queue")
+        browser = _Browser(queue, min(total, args.limit))
+        records: list[tuple[AbstractIncomingMessage, DeadLetterInfo]] = []
+        try:
+            async for message in browser.messages():
+                records.append((message, DeadLetterInfo.of(message.headers or {})))
+        finally:
+            await browser.release()
+            await channel.close()
+    if args.json:
+        for message, info in records:
+            record = message_record(message)
+            record["dead_letter"] = info._asdict()
+            print(json.dumps(record, ensure_ascii=False))
+        return EXIT_OK
+    shown = f", showing the first {len(records):,}" if len(records) < total else ""
+    print(f"{name}: {total:,} message(s){shown}")
+    if records:
+        rows = [
+            ("MESSAGE ID", "ATTEMPTS  REASON            DEAD-LETTERED AT                  ERROR")
+        ]
+        for message, info in records:
+            error = info.error if len(info.error) <= 60 else info.error[:57] + "..."
+            rows.append(
+                (
+                    message.message_id or "-",
+                    f"{info.attempts or '-':<8}  {info.reason:<16}  {info.at or '-':<32}  {error}",
+                )
+            )
+        print_table(rows)
+        reasons = Counter(info.reason for _, info in records)
+        print("by reason: " + ", ".join(f"{r} {n:,}" for r, n in reasons.most_common()))
+    return EXIT_OK
+
+
+async def _show(args: argparse.Namespace) -> int:
+    name = _dlq_name(args)
+    found = 0
+    async with open_connection(args) as connection:
+        channel, queue, total = await open_queue(connection, name, what="dead-letter queue")
+        browser = _Browser(queue, total)
+        try:
+            async for message in browser.messages():
+                if message.message_id != args.message_id:
+                    continue
+                found += 1
+                record = message_record(message)
+                record["dead_letter"] = DeadLetterInfo.of(message.headers or {})._asdict()
+                print(json.dumps(record, ensure_ascii=False, indent=2))
+        finally:
+            await browser.release()
+            await channel.close()
+    if not found:
+        print(
+            f"reliable-mq: error: no message with message_id {args.message_id!r} in {name!r} "
+            f"({total:,} message(s) scanned)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def moved_headers(headers: Mapping[str, Any], dlq: str) -> dict[str, Any]:
+    """The headers of a moved copy: no attempt count, no dead-letter reasons."""
+    kept = {key: value for key, value in headers.items() if key not in _STRIP_ON_MOVE}
+    kept[MOVED_FROM_HEADER] = dlq
+    return kept
+
+
+def _target(args: argparse.Namespace, headers: Mapping[str, Any]) -> str:
+    if args.to:
+        target: str = args.to
+        return target
+    info = DeadLetterInfo.of(headers)
+    return info.queue or str(args.queue)
+
+
+async def _queue_exists(connection: AbstractConnection, name: str) -> bool:
+    channel = await connection.channel(publisher_confirms=False)
+    try:
+        await channel.declare_queue(name, passive=True)
+    except aio_pika.exceptions.ChannelNotFoundEntity:
+        return False
+    await channel.close()
+    return True
+
+
+async def _move(args: argparse.Namespace) -> int:
+    name = _dlq_name(args)
+    moved = failed = skipped = 0
+    exists: dict[str, bool] = {}
+    settings = PublisherSettings(publish_timeout=args.timeout)
+    async with open_connection(args) as connection:
+        channel, queue, total = await open_queue(connection, name, what="dead-letter queue")
+        browser = _Browser(queue, total)
+        async with ReliablePublisher(
+            connection_settings(args), settings=settings, registry=CollectorRegistry()
+        ) as publisher:
+            finishing: list[asyncio.Task[None]] = []
+
+            async def finish(message: AbstractIncomingMessage, target: str, outcome: Any) -> None:
+                nonlocal moved, failed
+                try:
+                    await outcome
+                except PublishError as exc:
+                    failed += 1
+                    print(
+                        f"reliable-mq: {message.message_id}: not moved to {target!r}: "
+                        f"{type(exc).__name__}: {redact(str(exc), args.url)}",
+                        file=sys.stderr,
+                    )
+                    return  # stays held; released (requeued in the DLQ) at the end
+                await message.ack()  # only now: the copy is confirmed
+                moved += 1
+                print(f"moved {message.message_id or '-'} to {target}")
+
+            try:
+                async for message in browser.messages():
+                    if not args.all and message.message_id != args.message_id:
+                        continue
+                    headers = message.headers or {}
+                    target = _target(args, headers)
+                    if target not in exists:
+                        exists[target] = await _queue_exists(connection, target)
+                    if not exists[target]:
+                        skipped += 1
+                        print(
+                            f"reliable-mq: {message.message_id}: queue {target!r} does not "
+                            "exist; left in the DLQ",
+                            file=sys.stderr,
+                        )
+                        continue
+                    try:
+                        outcome = await publisher.enqueue(
+                            message.body,
+                            routing_key=target,
+                            message_id=message.message_id or None,
+                            headers=moved_headers(headers, name),
+                            content_type=message.content_type or "application/octet-stream",
+                            correlation_id=message.correlation_id,
+                            reply_to=message.reply_to,
+                            persistent=True,
+                            mandatory=True,
+                        )
+                    except PublishError as exc:
+                        failed += 1
+                        print(f"reliable-mq: {message.message_id}: not moved: {exc}",
+                              file=sys.stderr)  # fmt: skip
+                        continue
+                    finishing.append(asyncio.create_task(finish(message, target, outcome)))
+                await asyncio.gather(*finishing)
+            finally:
+                for task in finishing:
+                    task.cancel()
+                await asyncio.gather(*finishing, return_exceptions=True)
+                await browser.release()
+                await channel.close()
+    selected = moved + failed + skipped
+    print_table(
+        [
+            ("dead-letter queue", name),
+            ("scanned", f"{len(browser.held):,}"),
+            ("moved", f"{moved:,}"),
+            ("not moved", f"{failed + skipped:,}"),
+        ]
+    )
+    if not args.all and selected == 0:
+        print(
+            f"reliable-mq: error: no message with message_id {args.message_id!r} in {name!r}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    return EXIT_FAILED if failed or skipped else EXIT_OK

@@ -1,0 +1,174 @@
+"""``topology``: declare or delete a work queue with its retry queues and DLQ.
+
+The queues and their arguments come from :class:`reliable_mq.topology.QueueTopology`,
+exactly as :class:`~reliable_mq.consumer.ReliableConsumer` declares them, so a
+queue set made here is the one a consumer with the same ``retry_delays``
+expects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import aio_pika
+from aio_pika.abc import AbstractConnection
+
+from ..settings import ConsumerSettings
+from ..topology import QueueTopology, QueueType, declare_topology
+from ._common import EXIT_OK, CommandFailed, open_connection, print_table
+
+__all__ = ("add_topology_arguments", "parse_delays", "run_topology")
+
+_MAX_DELAY = 7 * 86_400
+
+
+def parse_delays(text: str) -> tuple[float, ...]:
+    """``"1,5,30"`` → ``(1.0, 5.0, 30.0)``; each must be > 0 and at most 7 days."""
+    delays: list[float] = []
+    for part in text.split(","):
+        try:
+            delay = float(part.strip().removesuffix("s"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {part!r}") from None
+        if not 0 < delay <= _MAX_DELAY:
+            raise argparse.ArgumentTypeError(f"each delay must be > 0 and at most 7 days: {part}")
+        delays.append(delay)
+    return tuple(delays)
+
+
+def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+    default_delays = ConsumerSettings.model_fields["retry_delays"].default
+    shown = ",".join(f"{d:g}" for d in default_delays)
+    parser.add_argument("queue", help="the work queue")
+    parser.add_argument(
+        "--quorum", action="store_true", help="declare quorum queues (default: classic)"
+    )
+    parser.add_argument(
+        "--retry-delays",
+        type=parse_delays,
+        default=default_delays,
+        metavar="S,S,...",
+        help=f"seconds before attempt 2, 3, ...; one retry queue per delay (default: {shown}, "
+        "as the consumer's default retry_delays)",
+    )
+    parser.add_argument("--dlq", metavar="NAME", help="the dead-letter queue (default: QUEUE.dlq)")
+    parser.add_argument(
+        "--delete",
+        action="store_true",
+        help="delete the queues instead (give the same --retry-delays and --dlq); "
+        "refuses queues that hold messages unless --force",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="with --delete: delete queues with their messages"
+    )
+    parser.add_argument(
+        "--ignore-missing",
+        action="store_true",
+        help="with --delete: delete the queues that exist even if others of the set do not "
+        "(default: refuse, as other --retry-delays would leave queues behind)",
+    )
+
+
+def _describe(topology: QueueTopology, name: str) -> tuple[str, str]:
+    """(role, what it does) of one queue of the set."""
+    if name == topology.queue:
+        return "work queue", f"rejects dead-letter to {topology.dead_letter_queue}"
+    if name == topology.dead_letter_queue:
+        return "dead letters", "poison and malformed messages, with reason headers"
+    delay = next(d for d in topology.retry_delays if topology.retry_queue(d) == name)
+    return (
+        f"retry {delay:g}s",
+        f"TTL {max(1, round(delay * 1000))} ms, then back to {topology.queue}",
+    )
+
+
+async def _message_counts(connection: AbstractConnection, names: tuple[str, ...]) -> dict[str, int]:
+    """Message count of each queue that exists (absent ones are left out)."""
+    counts: dict[str, int] = {}
+    for name in names:
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            queue = await channel.declare_queue(name, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            continue
+        counts[name] = int(queue.declaration_result.message_count or 0)
+        await channel.close()
+    return counts
+
+
+async def run_topology(args: argparse.Namespace) -> int:
+    """Declare (or with ``--delete`` remove) the queue set of ``args.queue``."""
+    try:
+        topology = QueueTopology(
+            queue=args.queue,
+            queue_type=QueueType.QUORUM if args.quorum else QueueType.CLASSIC,
+            retry_delays=args.retry_delays,
+            dead_letter_queue=args.dlq or "",
+        )
+    except ValueError as exc:
+        raise CommandFailed(str(exc)) from None
+    async with open_connection(args) as connection:
+        if args.delete:
+            return await _delete(
+                connection, topology, force=args.force, ignore_missing=args.ignore_missing
+            )
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            await declare_topology(channel, topology)
+        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+            raise CommandFailed(
+                f"cannot declare the queues of {topology.queue!r}: {exc}; a queue exists with "
+                "other arguments (other --retry-delays, --quorum or --dlq?)"
+            ) from None
+        with contextlib.suppress(aio_pika.exceptions.AMQPError):
+            await channel.close()
+        counts = await _message_counts(connection, topology.all_queues)
+    print(f"declared {len(topology.all_queues)} {topology.queue_type.value} queues, all durable:")
+    rows = []
+    for name in topology.all_queues:
+        role, what = _describe(topology, name)
+        rows.append((f"  {name}", f"{role:<13} {counts.get(name, 0):>9,} msgs  {what}"))
+    print_table(rows)
+    return EXIT_OK
+
+
+async def _delete(
+    connection: AbstractConnection, topology: QueueTopology, *, force: bool, ignore_missing: bool
+) -> int:
+    counts = await _message_counts(connection, topology.all_queues)
+    if not counts:
+        raise CommandFailed(f"no queue of the topology of {topology.queue!r} exists")
+    missing = [name for name in topology.all_queues if name not in counts]
+    if missing and not ignore_missing:
+        raise CommandFailed(
+            f"{', '.join(missing)} do(es) not exist: declared with other --retry-delays or "
+            "--dlq? Nothing deleted; --ignore-missing deletes the queues that exist"
+        )
+    loaded = [f"{name} ({count:,})" for name, count in counts.items() if count]
+    if loaded and not force:
+        raise CommandFailed(
+            "refusing to delete queues that hold messages: "
+            + ", ".join(loaded)
+            + "; --force deletes them with their messages"
+        )
+    channel = await connection.channel(publisher_confirms=False)
+    rows = []
+    for name in topology.all_queues:
+        if name not in counts:
+            rows.append((f"  {name}", "absent"))
+            continue
+        # Count again right before deleting (quorum queues refuse if_empty=True).
+        count = (await _message_counts(connection, (name,))).get(name, 0)
+        if count and not force:
+            raise CommandFailed(
+                f"{name!r} received {count:,} message(s) meanwhile; not deleted "
+                "(--force deletes them)"
+            )
+        deleted = await channel.queue_delete(name)
+        rows.append((f"  {name}", f"deleted, {int(deleted.message_count or 0):,} msgs dropped"))
+    with contextlib.suppress(aio_pika.exceptions.AMQPError):
+        await channel.close()
+    print(f"deleted {len(counts)} of the {len(topology.all_queues)} queues of {topology.queue!r}:")
+    print_table(rows)
+    return EXIT_OK

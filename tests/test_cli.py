@@ -1,0 +1,445 @@
+"""The ``reliable-mq`` CLI, driven as a subprocess against the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import NamedTuple
+
+import aio_pika
+import pytest
+from prometheus_client import CollectorRegistry
+
+from reliable_mq import ConsumerSettings, QueueTopology, ReliableConsumer, ReliablePublisher
+from reliable_mq.topology import declare_topology, delete_topology
+from tests.support.amqp import drain_queue
+from tests.support.private_node import free_port
+
+pytestmark = pytest.mark.rabbitmq
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Run(NamedTuple):
+    code: int
+    stdout: str
+    stderr: str
+
+
+async def cli(*args: str, stdin: bytes = b"", url: str | None = None, timeout: float = 120) -> Run:
+    """Run ``python -m reliable_mq.cli ARGS`` and capture its exit code and output."""
+    env = dict(os.environ)
+    env.pop("RELIABLE_MQ_URL", None)
+    if url is not None:
+        env["RELIABLE_MQ_URL"] = url
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "reliable_mq.cli",
+        *args,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+        env=env,
+    )
+    out, err = await asyncio.wait_for(process.communicate(stdin), timeout)
+    assert process.returncode is not None
+    return Run(process.returncode, out.decode(), err.decode())
+
+
+class TestPublish:
+    async def test_lines_from_stdin_land_in_the_queue(self, broker_url: str, queue: str) -> None:
+        """Each non-blank stdin line becomes one confirmed message, in order."""
+        lines = [f"line {n} é" for n in range(500)]
+        stdin = ("\n".join(lines[:250]) + "\n\n" + "\n".join(lines[250:]) + "\n").encode()
+        run = await cli("publish", "--routing-key", queue, stdin=stdin, url=broker_url)
+        assert run.code == 0, run.stderr
+        assert "confirmed    500" in run.stdout.replace(",", "")
+        drained = await drain_queue(broker_url, queue)
+        assert [m.body.decode() for m in drained] == lines
+        assert len({m.message_id for m in drained}) == 500
+
+    async def test_json_lines_from_a_file_with_ids_and_headers(
+        self, broker_url: str, queue: str, tmp_path: Path
+    ) -> None:
+        """--format json sends each value as JSON; --id-field makes the message ids stable."""
+        path = tmp_path / "orders.jsonl"
+        rows = [{"order_id": n, "total": n * 1.5} for n in range(100)]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        run = await cli(
+            "publish", "-k", queue, "--file", str(path), "--format", "json",
+            "--id-field", "order_id", "-H", "source=test", "--progress", "--url", broker_url,
+        )  # fmt: skip
+        assert run.code == 0, run.stderr
+        assert "100%" in run.stderr  # the forced progress bar was drawn
+        drained = await drain_queue(broker_url, queue)
+        assert [json.loads(m.body) for m in drained] == rows
+        assert [m.message_id for m in drained] == [str(n) for n in range(100)]
+        assert all(m.headers == {"source": "test"} for m in drained)
+
+    async def test_unroutable_and_bad_lines_exit_1(self, broker_url: str, queue: str) -> None:
+        """Any message that is not confirmed makes the exit code 1, with a reason per line."""
+        run = await cli("publish", "-k", f"{queue}-nobody-bound", stdin=b"a\nb\n", url=broker_url)
+        assert run.code == 1
+        assert "line 1: PublishUnroutable" in run.stderr
+        assert "PublishUnroutable  2" in run.stdout
+
+        run = await cli(
+            "publish", "-k", queue, "--format", "json", stdin=b'{"ok": 1}\n{nope\n', url=broker_url
+        )
+        assert run.code == 1
+        assert "invalid JSON" in run.stderr
+        drained = await drain_queue(broker_url, queue)
+        assert [json.loads(m.body) for m in drained] == [{"ok": 1}]
+
+
+class TestErrors:
+    async def test_unreachable_broker_exits_2_without_the_password(self) -> None:
+        """A broker nobody listens for: exit 2, one line on stderr, the password redacted."""
+        url = f"amqp://guest:Sup3rS3cretPw@127.0.0.1:{free_port()}/"
+        for command in (
+            ["publish", "-k", "q"],
+            ["bench", "--messages", "10"],
+            ["consume", "q", "--idle-timeout", "1"],
+            ["topology", "q"],
+            ["dlq", "list", "q"],
+            ["dlq", "move", "q", "--all"],
+        ):
+            run = await cli(*command, "--url", url, stdin=b"x\n", timeout=60)
+            assert run.code == 2, run
+            assert "Sup3rS3cretPw" not in run.stderr + run.stdout
+            assert run.stderr.count("\n") == 1
+            assert run.stderr.startswith("reliable-mq: error: cannot reach the broker")
+
+    async def test_password_from_the_environment_is_hidden_in_help(self) -> None:
+        """--help shows the default URL from RELIABLE_MQ_URL without its password."""
+        run = await cli("publish", "--help", url="amqp://app:Hidden%Pw@10.0.0.1:5672/")
+        assert run.code == 0
+        assert "Hidden" not in run.stdout
+        assert "10.0.0.1" in run.stdout
+
+    @pytest.mark.parametrize(
+        "args",
+        [
+            [],
+            ["nonsense"],
+            ["publish"],  # --routing-key is required
+            ["publish", "-k", "q", "--window", "0"],
+            ["publish", "-k", "q", "--timeout", "-1"],
+            ["publish", "-k", "q", "--format", "xml"],
+            ["publish", "-k", "q", "--id-field", "id"],  # needs --format json
+            ["publish", "-k", "q", "--file", "/nonexistent/input.txt"],
+            ["publish", "-k", "q", "--url", "http://127.0.0.1/"],
+            ["bench", "--messages", "ten"],
+            ["bench", "--size", "-5"],
+            ["consume"],  # QUEUE is required
+            ["consume", "q", "--ack-mode", "drop"],
+            ["consume", "q", "--count", "0"],
+            ["consume", "q", "--prefetch", "70000"],
+            ["consume", "q", "--idle-timeout", "soon"],
+            ["consume", "q", "--output", "/nonexistent/dir/out.txt"],
+            ["topology"],
+            ["topology", "q", "--retry-delays", "1,x"],
+            ["topology", "q", "--retry-delays", "0"],
+            ["dlq"],
+            ["dlq", "list"],
+            ["dlq", "purge", "q"],
+            ["dlq", "show", "q"],  # --message-id is required
+            ["dlq", "move", "q"],  # --message-id or --all
+            ["dlq", "move", "q", "--all", "--message-id", "x"],
+        ],
+    )
+    async def test_bad_arguments_exit_2(self, args: list[str]) -> None:
+        """Bad arguments exit 2 with a message on stderr, before touching the broker."""
+        run = await cli(*args)
+        assert run.code == 2, run
+        assert run.stderr.strip()
+
+    @pytest.mark.parametrize(
+        "command",
+        [
+            [],
+            ["publish"],
+            ["bench"],
+            ["consume"],
+            ["topology"],
+            ["dlq"],
+            ["dlq", "list"],
+            ["dlq", "show"],
+            ["dlq", "move"],
+        ],
+    )
+    async def test_help_everywhere(self, command: list[str]) -> None:
+        """Every level answers --help with exit code 0."""
+        run = await cli(*command, "--help")
+        assert run.code == 0
+        assert run.stdout.startswith("usage: reliable-mq")
+
+
+class TestBench:
+    async def test_bench_publishes_and_prints_a_summary(self, broker_url: str) -> None:
+        """bench --messages 2000 confirms all of them and prints the summary table."""
+        run = await cli("bench", "--messages", "2000", "--size", "100", "--window", "200",
+                        "--progress", url=broker_url)  # fmt: skip
+        assert run.code == 0, run.stderr
+        table = dict(
+            line.split(None, 1) if "  " not in line else line.split("  ", 1)
+            for line in run.stdout.splitlines()
+        )
+        assert table["confirmed"].strip() == "2,000"
+        assert table["failed"].strip() == "0"
+        assert table["window"].strip() == "200"
+        assert "msg/s" in table["throughput"]
+        assert "100%" in run.stderr
+        assert "(deleted)" in run.stdout
+
+    async def test_bench_into_a_named_queue_keeps_it(self, broker_url: str, queue: str) -> None:
+        """With --queue the messages stay there for inspection."""
+        run = await cli("bench", "-n", "50", "--queue", queue, "--no-persistent", url=broker_url)
+        assert run.code == 0, run.stderr
+        drained = await drain_queue(broker_url, queue)
+        assert len(drained) == 50
+
+
+@pytest.fixture(name="topology")
+async def _topology(broker_url: str) -> AsyncIterator[QueueTopology]:
+    """A fresh work queue with retry queues (0.2 s, 0.5 s) and a DLQ, deleted after."""
+    topology = QueueTopology(queue=f"test-cli-{uuid.uuid4().hex[:12]}", retry_delays=(0.2, 0.5))
+    connection = await aio_pika.connect(broker_url)
+    async with connection:
+        await declare_topology(await connection.channel(), topology)
+        yield topology
+        await delete_topology(await connection.channel(), topology)
+
+
+async def _publish(url: str, queue: str, bodies: list[bytes]) -> list[str]:
+    async with ReliablePublisher(url, registry=CollectorRegistry()) as publisher:
+        return [
+            (await publisher.publish(body, routing_key=queue, message_id=f"m{n}")).message_id
+            for n, body in enumerate(bodies)
+        ]
+
+
+async def _queue_depth(url: str, queue: str) -> int:
+    connection = await aio_pika.connect(url)
+    async with connection:
+        declared = await (await connection.channel()).declare_queue(queue, passive=True)
+        return int(declared.declaration_result.message_count or 0)
+
+
+async def _dead_letter(url: str, topology: QueueTopology) -> None:
+    """Publish one poison order and one malformed body; a real consumer dead-letters both."""
+    async with ReliablePublisher(url, registry=CollectorRegistry()) as publisher:
+        await publisher.publish({"order_id": 13}, routing_key=topology.queue, message_id="poison")
+        await publisher.publish(
+            b"{nope", routing_key=topology.queue, message_id="bad", content_type="application/json"
+        )
+    consumer = ReliableConsumer(
+        url,
+        settings=ConsumerSettings(max_attempts=2, retry_delays=topology.retry_delays),
+        registry=CollectorRegistry(),
+    )
+
+    @consumer.handler(topology.queue)
+    async def fail(order: dict[str, int]) -> None:
+        raise RuntimeError(f"cannot ship order {order['order_id']}")
+
+    async with consumer:
+        async with asyncio.timeout(20):
+            while consumer.stats().dead_lettered < 2:
+                await asyncio.sleep(0.05)
+
+
+class TestConsume:
+    async def test_ack_mode_prints_bodies_and_empties_the_queue(
+        self, broker_url: str, queue: str
+    ) -> None:
+        """Default mode: each body on its own line, in order, and acked."""
+        await _publish(broker_url, queue, [f"body {n}".encode() for n in range(20)])
+        run = await cli("consume", queue, "--count", "20", url=broker_url)
+        assert run.code == 0, run.stderr
+        assert run.stdout.splitlines() == [f"body {n}" for n in range(20)]
+        assert "20 message(s)" in run.stderr and "acked" in run.stderr
+        assert await drain_queue(broker_url, queue) == []
+
+    async def test_count_stops_early_and_returns_prefetched_extras(
+        self, broker_url: str, queue: str
+    ) -> None:
+        """--count 3 acks three; messages prefetched beyond them go back to the queue."""
+        await _publish(broker_url, queue, [f"{n}".encode() for n in range(10)])
+        run = await cli("consume", queue, "-n", "3", "--prefetch", "10", url=broker_url)
+        assert run.code == 0, run.stderr
+        assert run.stdout.splitlines() == ["0", "1", "2"]
+        rest = await drain_queue(broker_url, queue)
+        assert [m.body for m in rest] == [f"{n}".encode() for n in range(3, 10)]
+
+    async def test_requeue_peeks_without_removing(self, broker_url: str, queue: str) -> None:
+        """--ack-mode requeue shows the messages once each and leaves all of them queued."""
+        ids = await _publish(broker_url, queue, [b"a", b"b", b"c"])
+        run = await cli("consume", queue, "--ack-mode", "requeue", "--json", "--idle-timeout",
+                        "1", url=broker_url)  # fmt: skip
+        assert run.code == 0, run.stderr
+        records = [json.loads(line) for line in run.stdout.splitlines()]
+        assert [r["message_id"] for r in records] == ids
+        assert [r["body"] for r in records] == ["a", "b", "c"]
+        assert all(set(r) >= {"message_id", "headers", "body"} for r in records)
+        rest = await drain_queue(broker_url, queue)
+        assert [m.message_id for m in rest] == ids  # same order, nothing lost
+
+    async def test_reject_dead_letters_and_json_output_to_a_file(
+        self, broker_url: str, topology: QueueTopology, tmp_path: Path
+    ) -> None:
+        """--ack-mode reject with --output: written to the file, then dead-lettered."""
+        ids = await _publish(broker_url, topology.queue, [b"x", b"\xff\xfe"])
+        out = tmp_path / "dump.jsonl"
+        out.write_text('{"earlier": true}\n')
+        run = await cli("consume", topology.queue, "--ack-mode", "reject", "--json", "-o",
+                        str(out), "--idle-timeout", "1", url=broker_url)  # fmt: skip
+        assert run.code == 0, run.stderr
+        assert run.stdout == ""
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert lines[0] == {"earlier": True}  # appended, never truncated
+        assert [r["message_id"] for r in lines[1:]] == ids
+        assert lines[2]["body_encoding"] == "base64"
+        assert await _queue_depth(broker_url, topology.queue) == 0
+        assert await _queue_depth(broker_url, topology.dead_letter_queue) == 2
+
+    async def test_missing_queue_exits_1(self, broker_url: str) -> None:
+        """A queue that does not exist: exit 1 and a one-line reason."""
+        run = await cli("consume", f"missing-{uuid.uuid4().hex}", "--idle-timeout", "1",
+                        url=broker_url)  # fmt: skip
+        assert run.code == 1
+        assert "does not exist" in run.stderr
+
+
+class TestTopology:
+    async def test_declare_then_delete(self, broker_url: str) -> None:
+        """topology declares work, retry and dead-letter queues; --delete removes them."""
+        name = f"test-cli-topo-{uuid.uuid4().hex[:8]}"
+        expected = QueueTopology(queue=name, retry_delays=(1.0, 5.0)).all_queues
+        run = await cli("topology", name, "--retry-delays", "1,5", url=broker_url)
+        try:
+            assert run.code == 0, run.stderr
+            for queue in expected:
+                assert queue in run.stdout
+                assert await _queue_depth(broker_url, queue) == 0
+            again = await cli("topology", name, "--retry-delays", "1,5", url=broker_url)
+            assert again.code == 0, again.stderr  # idempotent
+            other = await cli("topology", name, "--quorum", "--retry-delays", "1,5",
+                              url=broker_url)  # fmt: skip
+            assert other.code == 1
+            assert "other arguments" in other.stderr
+            await _publish(broker_url, name, [b"keep me"])
+            refused = await cli("topology", name, "--retry-delays", "1,5", "--delete",
+                                url=broker_url)  # fmt: skip
+            assert refused.code == 1
+            assert "hold messages" in refused.stderr
+            assert await _queue_depth(broker_url, name) == 1
+            wrong = await cli("topology", name, "--delete", "--force", url=broker_url)
+            assert wrong.code == 1  # other retry delays: nothing deleted
+            assert await _queue_depth(broker_url, name) == 1
+        finally:
+            run = await cli("topology", name, "--retry-delays", "1,5", "--delete", "--force",
+                            url=broker_url)  # fmt: skip
+        assert run.code == 0, run.stderr
+        assert run.stdout.count("deleted,") == len(expected)
+        gone = await cli("topology", name, "--retry-delays", "1,5", "--delete", url=broker_url)
+        assert gone.code == 1
+
+    async def test_quorum_topology(self, broker_url: str) -> None:
+        """--quorum declares quorum queues (and deletes them again)."""
+        name = f"test-cli-quorum-{uuid.uuid4().hex[:8]}"
+        run = await cli("topology", name, "--quorum", "--retry-delays", "2", url=broker_url)
+        try:
+            assert run.code == 0, run.stderr
+            assert "quorum" in run.stdout
+        finally:
+            deleted = await cli("topology", name, "--quorum", "--retry-delays", "2",
+                                "--delete", url=broker_url)  # fmt: skip
+        assert deleted.code == 0, deleted.stderr
+
+
+class TestDlq:
+    async def test_list_and_show_leave_messages_in_place(
+        self, broker_url: str, topology: QueueTopology
+    ) -> None:
+        """list summarizes reasons, show prints one in full; the DLQ keeps both."""
+        await _dead_letter(broker_url, topology)
+        run = await cli("dlq", "list", topology.queue, url=broker_url)
+        assert run.code == 0, run.stderr
+        assert f"{topology.dead_letter_queue}: 2 message(s)" in run.stdout
+        assert "max_attempts" in run.stdout and "invalid_body" in run.stdout
+        assert "RuntimeError: cannot ship order 13" in run.stdout
+
+        listed = await cli("dlq", "list", topology.queue, "--json", url=broker_url)
+        records = {json.loads(line)["message_id"]: json.loads(line) for line in
+                   listed.stdout.splitlines()}  # fmt: skip
+        assert set(records) == {"poison", "bad"}
+        assert records["poison"]["dead_letter"]["attempts"] == "2"
+
+        show = await cli("dlq", "show", topology.queue, "--message-id", "poison", url=broker_url)
+        assert show.code == 0, show.stderr
+        shown = json.loads(show.stdout)
+        assert json.loads(shown["body"]) == {"order_id": 13}
+        assert shown["headers"]["x-reliable-mq-reason"] == "max_attempts"
+        assert shown["headers"]["x-reliable-mq-queue"] == topology.queue
+
+        missing = await cli("dlq", "show", topology.queue, "--message-id", "nope", url=broker_url)
+        assert missing.code == 1
+        assert "no message with message_id 'nope'" in missing.stderr
+        assert await _queue_depth(broker_url, topology.dead_letter_queue) == 2
+
+    async def test_move_one_then_all_back_with_attempts_reset(
+        self, broker_url: str, topology: QueueTopology
+    ) -> None:
+        """move sends messages back to their queue without attempt or reason headers."""
+        await _dead_letter(broker_url, topology)
+        run = await cli("dlq", "move", topology.queue, "--message-id", "poison", url=broker_url)
+        assert run.code == 0, run.stderr
+        assert f"moved poison to {topology.queue}" in run.stdout
+        assert await _queue_depth(broker_url, topology.dead_letter_queue) == 1
+
+        again = await cli("dlq", "move", topology.queue, "--message-id", "poison", url=broker_url)
+        assert again.code == 1  # no longer there
+
+        run = await cli("dlq", "move", topology.queue, "--all", url=broker_url)
+        assert run.code == 0, run.stderr
+        assert await _queue_depth(broker_url, topology.dead_letter_queue) == 0
+        back = await drain_queue(broker_url, topology.queue)
+        assert sorted(m.message_id or "" for m in back) == ["bad", "poison"]
+        for message in back:
+            assert not any(
+                key.startswith("x-reliable-mq-")
+                and key
+                not in (
+                    "x-reliable-mq-moved-from",
+                    "x-reliable-mq-original-exchange",
+                    "x-reliable-mq-original-routing-key",
+                    "x-reliable-mq-no-content-type",
+                )
+                for key in message.headers
+            ), message.headers
+            assert message.headers["x-reliable-mq-moved-from"] == topology.dead_letter_queue
+        assert {m.message_id: m.body for m in back}["bad"] == b"{nope"
+
+    async def test_move_to_a_missing_queue_keeps_the_message(
+        self, broker_url: str, topology: QueueTopology
+    ) -> None:
+        """A target queue that does not exist: exit 1 and the message stays in the DLQ."""
+        await _publish(broker_url, topology.dead_letter_queue, [b"orphan"])
+        run = await cli("dlq", "move", topology.queue, "--all", "--to",
+                        f"missing-{uuid.uuid4().hex}", url=broker_url)  # fmt: skip
+        assert run.code == 1
+        assert "does not exist" in run.stderr
+        assert await _queue_depth(broker_url, topology.dead_letter_queue) == 1
+
+    async def test_missing_dlq_exits_1(self, broker_url: str) -> None:
+        run = await cli("dlq", "list", f"missing-{uuid.uuid4().hex}", url=broker_url)
+        assert run.code == 1
+        assert "dead-letter queue" in run.stderr and "does not exist" in run.stderr

@@ -1,0 +1,104 @@
+"""The docs stay in step with the code: generated tables, the dashboard, the site build."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from reliable_mq.metrics import Metrics
+from reliable_mq.settings import ConnectionSettings, PublisherSettings, TLSSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "docs" / "grafana" / "reliable_mq.json"
+
+
+def _load_hook() -> object:
+    spec = importlib.util.spec_from_file_location("gen_config", ROOT / "docs" / "gen_config.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _exposed_names() -> dict[str, str]:
+    """Every sample-family name Prometheus shows, mapped to its Metrics field."""
+    metrics = Metrics.on(CollectorRegistry())
+    names: dict[str, str] = {}
+    for field in metrics.__dataclass_fields__:
+        collector = getattr(metrics, field)
+        base: str = collector._name
+        kind: str = collector._type
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(
+            kind, [""]
+        )
+        for suffix in suffixes:
+            names[base + suffix] = field
+    return names
+
+
+class TestGeneratedTables:
+    def test_config_table_lists_every_field_with_its_variable(self) -> None:
+        """Each settings field appears with its environment variable."""
+        text = _load_hook().config_tables()  # type: ignore[attr-defined]
+        for cls in (ConnectionSettings, PublisherSettings, TLSSettings):
+            prefix = cls.model_config["env_prefix"]
+            for name in cls.model_fields:
+                assert f"`{prefix}{name.upper()}`" in text, name
+        assert "guest:guest" not in text  # the default URL's password is redacted
+
+    def test_metrics_table_lists_every_collector(self) -> None:
+        """Each Metrics field has a row in the metrics page."""
+        text = _load_hook().metrics_table()  # type: ignore[attr-defined]
+        for field in Metrics.on(CollectorRegistry()).__dataclass_fields__:
+            assert f"| `{field}` |" in text, field
+
+    def test_markers_are_replaced(self) -> None:
+        """The mkdocs hook replaces markers and refuses unknown ones."""
+        hook = _load_hook()
+        out = hook.on_page_markdown("a\n<!-- reliable_mq:metrics -->\nb")  # type: ignore[attr-defined]
+        assert "reliable_mq_confirm_latency_seconds" in out and "<!--" not in out
+        with pytest.raises(ValueError, match="unknown docs marker"):
+            hook.on_page_markdown("<!-- reliable_mq:nope -->")  # type: ignore[attr-defined]
+
+
+class TestDashboard:
+    def test_queries_use_only_real_metric_names(self) -> None:
+        """Every reliable_mq_* name in the dashboard exists, and every collector is charted."""
+        dashboard = json.loads(DASHBOARD.read_text())
+        exprs = [
+            target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
+        ]
+        used = set(re.findall(r"reliable_mq_\w+", " ".join(exprs)))
+        exposed = _exposed_names()
+        assert used, "no queries found"
+        assert used <= set(exposed), used - set(exposed)
+        assert {exposed[name] for name in used} == set(exposed.values())
+
+    def test_panel_ids_are_unique(self) -> None:
+        dashboard = json.loads(DASHBOARD.read_text())
+        ids = [panel["id"] for panel in dashboard["panels"]]
+        assert len(ids) == len(set(ids))
+
+
+def test_site_builds_strict(tmp_path: Path) -> None:
+    """``mkdocs build --strict`` passes (skipped without the docs extra)."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-5000:]
