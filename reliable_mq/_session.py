@@ -187,39 +187,51 @@ class Session:
         self.route.metrics.stale_settles.inc(deliveries)
         self.route.metrics.stale.inc(deliveries)
 
-    async def _send(self, kind: str, tag: int, deliveries: int, *, wait: bool = False) -> bool:
-        """Write one settle frame, in decision order; False if the channel is gone."""
+    async def _write(self, kind: str, tag: int, deliveries: int, *, wait: bool = False) -> bool:
+        """Write one settle frame; the caller holds :attr:`lock`. False if the channel is gone."""
+        channel = self.channel
+        if not self.alive or channel.is_closed:
+            self._stale(deliveries)
+            return False
+        try:
+            if kind == "ack":
+                await channel.basic_ack(tag, multiple=False, wait=wait)
+            elif kind == "ack_multiple":
+                await channel.basic_ack(tag, multiple=True, wait=wait)
+            elif kind == "nack_requeue":
+                await channel.basic_nack(tag, multiple=False, requeue=True, wait=wait)
+            else:  # "nack_drop"
+                await channel.basic_nack(tag, multiple=False, requeue=False, wait=wait)
+        except CHANNEL_ERRORS:
+            self.alive = False
+            self._stale(deliveries)
+            return False
+        if kind.startswith("ack"):
+            self.shared.ack_frames += 1
+            self.route.metrics.ack_batches.inc()
+        return True
+
+    async def _settle_single(self, kind: str, tag: int) -> None:
+        """Settle ``tag`` by its own frame, unless it was settled already.
+
+        The tracker's state changes under the same lock as the frame is written,
+        so frames leave in the order the tracker decided them: a multiple ack
+        decided after this settle can never overtake its frame, and one decided
+        before it (while the tag was still in progress) never reaches this tag.
+        """
         async with self.lock:
-            channel = self.channel
-            if not self.alive or channel.is_closed:
-                self._stale(deliveries)
-                return False
-            try:
-                if kind == "ack":
-                    await channel.basic_ack(tag, multiple=False, wait=wait)
-                elif kind == "ack_multiple":
-                    await channel.basic_ack(tag, multiple=True, wait=wait)
-                elif kind == "nack_requeue":
-                    await channel.basic_nack(tag, multiple=False, requeue=True, wait=wait)
-                else:  # "nack_drop"
-                    await channel.basic_nack(tag, multiple=False, requeue=False, wait=wait)
-            except CHANNEL_ERRORS:
-                self.alive = False
-                self._stale(deliveries)
-                return False
-            if kind.startswith("ack"):
-                self.shared.ack_frames += 1
-                self.route.metrics.ack_batches.inc()
-            return True
+            if self.tracker.settle(tag):
+                await self._write(kind, tag, 1)
 
     async def flush(self, *, stragglers: bool, wait: bool = False) -> None:
         """Send the batched acks: the finished prefix, and optionally the stragglers."""
-        tag, count = self.tracker.take_prefix()
-        if tag is not None:
-            await self._send("ack_multiple" if count > 1 else "ack", tag, count, wait=wait)
-        if stragglers:
-            for single in self.tracker.take_stragglers():
-                await self._send("ack", single, 1, wait=wait)
+        async with self.lock:
+            tag, count = self.tracker.take_prefix()
+            if tag is not None:
+                await self._write("ack_multiple" if count > 1 else "ack", tag, count, wait=wait)
+            if stragglers:
+                for single in self.tracker.take_stragglers():
+                    await self._write("ack", single, 1, wait=wait)
 
     def _on_flush_timer(self) -> None:
         self.flush_handle = None
@@ -255,8 +267,8 @@ class Session:
                 self.flush_handle = asyncio.get_running_loop().call_later(
                     self.shared.settings.ack_flush_interval, self._on_flush_timer
                 )
-        elif self.tracker.settle(tag):
-            await self._send("ack", tag, 1)
+        else:
+            await self._settle_single("ack", tag)
 
     async def ack_now(self, tag: int) -> None:
         """Ack ``tag`` in its own frame, now: used after a confirmed republish, so
@@ -264,15 +276,13 @@ class Session:
         if self.dead():
             self._stale(1)
             return
-        if self.tracker.settle(tag):
-            await self._send("ack", tag, 1)
+        await self._settle_single("ack", tag)
 
     async def nack(self, tag: int, *, requeue: bool) -> None:
         if self.dead():
             self._stale(1)
             return
-        if self.tracker.settle(tag):
-            await self._send("nack_requeue" if requeue else "nack_drop", tag, 1)
+        await self._settle_single("nack_requeue" if requeue else "nack_drop", tag)
 
     # -- Settler protocol ------------------------------------------------------
 

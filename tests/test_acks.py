@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from reliable_mq._acks import AckTracker, TagState
+from reliable_mq._session import RouteMetrics, Session, Shared
+from reliable_mq.metrics import Metrics
+from reliable_mq.settings import ConsumerSettings
 
 
 class _Broker:
@@ -182,3 +188,89 @@ class TestAckTracker:
         assert sorted(broker.acked) == sorted(expected_acks)
         assert len(broker.acked) == len(set(broker.acked))
         assert set(broker.nacked) == expected_nacks
+
+
+class _YieldingChannel:
+    """An aiormq channel stand-in with the broker's rules for one channel.
+
+    Every write yields to the loop (as a real frame write may), so concurrent
+    settles interleave; a frame naming a tag that is not outstanding raises,
+    as the broker would close the channel with PRECONDITION_FAILED.
+    """
+
+    def __init__(self, broker: _Broker, rng: random.Random) -> None:
+        self.broker = broker
+        self.rng = rng
+        self.is_closed = False
+        self.errors: list[str] = []
+
+    async def _yield(self) -> None:
+        for _ in range(self.rng.randrange(3)):
+            await asyncio.sleep(0)
+
+    async def basic_ack(self, tag: int, *, multiple: bool, wait: bool = False) -> None:
+        await self._yield()
+        try:
+            self.broker.ack(tag, multiple=multiple)
+        except AssertionError as exc:
+            self.errors.append(str(exc))
+            raise
+
+    async def basic_nack(
+        self, tag: int, *, multiple: bool, requeue: bool, wait: bool = False
+    ) -> None:
+        await self._yield()
+        try:
+            self.broker.nack(tag)
+        except AssertionError as exc:
+            self.errors.append(str(exc))
+            raise
+
+
+def _session(channel: _YieldingChannel, batch_size: int) -> Session:
+    settings = ConsumerSettings(ack_batch_size=batch_size, ack_flush_interval=0.001)
+    route = SimpleNamespace(
+        metrics=RouteMetrics(Metrics.on(CollectorRegistry()), "q"), dedup=None, queue="q"
+    )
+    return Session(Shared(settings), route, channel)  # type: ignore[arg-type]
+
+
+class TestSessionFrameOrder:
+    """Concurrent settles on one session: frames leave in the order decided."""
+
+    @pytest.mark.parametrize("seed", range(20))
+    async def test_concurrent_settles_never_name_a_settled_tag(self, seed: int) -> None:
+        rng = random.Random(seed)
+        broker = _Broker()
+        channel = _YieldingChannel(broker, rng)
+        session = _session(channel, batch_size=rng.choice([2, 4, 8]))
+        acks: set[int] = set()
+        nacks: set[int] = set()
+
+        async def handle(tag: int) -> None:
+            await asyncio.sleep(rng.random() * 0.003)
+            roll = rng.random()
+            if roll < 0.6:
+                acks.add(tag)
+                await session.ack(tag)  # batched
+            elif roll < 0.85:
+                acks.add(tag)
+                await session.ack_now(tag)  # after a republish: its own frame
+            else:
+                nacks.add(tag)
+                await session.nack(tag, requeue=True)
+
+        tasks = []
+        for _ in range(400):
+            tag = broker.deliver()
+            session.tracker.delivered(tag)
+            tasks.append(asyncio.create_task(handle(tag)))
+            if rng.random() < 0.3:
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await session.flush(stragglers=True)
+        assert channel.errors == []
+        assert session.alive
+        assert not broker.outstanding
+        assert set(broker.acked) == acks
+        assert set(broker.nacked) == nacks

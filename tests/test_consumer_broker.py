@@ -209,6 +209,41 @@ class TestBatchedAcks:
             assert stats.ack_frames == 3000
         assert await drain(env.queue) == []
 
+    async def test_batched_acks_mixed_with_own_frame_settles(self, env: Env) -> None:
+        """Batched acks interleaved with retries (acked in their own frame after the
+        republish) and stragglers: no frame ever names a settled tag.
+
+        A multiple ack overtaking a single ack of a tag it covers makes the broker
+        close the channel with PRECONDITION_FAILED - unknown delivery tag.
+        """
+        consumer = env.consumer(
+            prefetch=100, ack_batch_size=3, ack_flush_interval=0.001, retry_delays=(0.1,)
+        )
+        done: collections.Counter[str] = collections.Counter()
+        rng = random.Random(11)
+
+        @consumer.handler(env.queue)
+        async def handler(body: bytes, delivery: Delivery) -> None:
+            await asyncio.sleep(rng.random() * 0.003)
+            if delivery.attempt == 1 and rng.random() < 0.3:
+                raise Retry("again")
+            done[delivery.message_id] += 1
+
+        env.track(consumer)
+        async with consumer:
+            ids = await env.publish([b"x"] * 3000)
+            await wait_until(lambda: len(done) == 3000, 60, "all done")
+            await asyncio.sleep(0.2)
+        stats = consumer.stats()
+        assert stats.channel_reopens == 0  # no PRECONDITION_FAILED closed the channel
+        assert stats.stale == 0
+        assert stats.retried > 500
+        assert set(done) == set(ids)
+        assert max(done.values()) == 1
+        assert stats.acked == 3000
+        for queue in [env.queue, *env.topologies[0].retry_queues]:
+            assert await drain(queue) == []
+
     async def test_user_double_settle_is_harmless(self, env: Env) -> None:
         """A handler acking twice gets False the second time and no channel error."""
         consumer = env.consumer(prefetch=10)

@@ -435,6 +435,9 @@ def _stop_workers(workers: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
             worker.send_signal(signal.SIGTERM)
     for worker in workers:
         out, err = worker.communicate(timeout=60)
+        if os.environ.get("DEDUP_WORKER_LOGS"):  # a file to keep each worker's output in
+            with open(os.environ["DEDUP_WORKER_LOGS"], "a") as f:
+                f.write(f"==== worker {worker.pid}\n{out}\n---- stderr\n{err}\n")
         assert worker.returncode in (0, -signal.SIGKILL), err[-3000:]
         if worker.returncode == 0:
             stats.append(json.loads(out.strip().splitlines()[-1]))
@@ -475,6 +478,7 @@ class TestSharedRedisStore:
         print(f"\n2 processes, 10,000 deliveries in {elapsed:.1f}s; stats: {stats}")  # noqa: T201
         assert applied == dict.fromkeys(ids, 1)
         assert sum(s["acked"] for s in stats) == 5000
+        assert all(s["channel_reopens"] == 0 for s in stats), "a channel error (see logs)"
         # Every delivery was applied, skipped as done, or deferred while busy; a
         # copy may be skipped more than once if the broker duplicated it.
         assert sum(s["duplicates"] for s in stats) >= 5000
