@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -102,3 +103,60 @@ def test_site_builds_strict(tmp_path: Path) -> None:
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert run.returncode == 0, run.stderr[-5000:]
+
+
+def _load_renderer() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "render_panels", ROOT / "docs" / "render_panels.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["render_panels"] = module  # dataclasses look the module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class TestRenderedPanels:
+    """docs/render_panels.py's small PromQL, against real collectors (no broker)."""
+
+    def test_histogram_quantile_interpolates_like_prometheus(self) -> None:
+        render = _load_renderer()
+        buckets = {0.1: 10.0, 0.5: 30.0, 1.0: 40.0, float("inf"): 40.0}
+        assert render.histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * 0.5)
+        assert render.histogram_quantile(0.25, buckets) == pytest.approx(0.1)
+        assert render.histogram_quantile(0.99, buckets) == pytest.approx(0.5 + 0.5 * 0.96)
+        assert render.histogram_quantile(0.5, {float("inf"): 0.0}) != 0.5  # nan: no data
+
+    def test_every_rendered_panel_query_evaluates(self) -> None:
+        render = _load_renderer()
+        registry = CollectorRegistry()
+        metrics = Metrics.on(registry)
+        times, samples = [], []
+        for second in range(5):
+            metrics.published.labels("").inc(100)
+            metrics.deliveries.labels("q", "acked").inc(40)
+            metrics.deliveries.labels("q", "retried").inc(2)
+            metrics.dead_lettered.labels("q", "rejected").inc(1)
+            metrics.confirm_latency.labels("").observe(0.004)
+            times.append(float(second))
+            samples.append(render.snapshot(registry))
+        evaluator = render.Evaluator(times, samples)
+        dashboard = json.loads(DASHBOARD.read_text())
+        panels = {p["title"]: p for p in dashboard["panels"] if p.get("targets")}
+        for title in render.PANELS:
+            for target in panels[title]["targets"]:
+                evaluator.evaluate(target["expr"], 4)  # raises on an unknown shape
+        rate = 'sum(rate(reliable_mq_published_messages_total{job=~"$job"}[$__rate_interval]))'
+        assert evaluator.evaluate(rate, 4) == {(): pytest.approx(100.0)}
+        outcomes = panels["Consumer outcomes"]["targets"][0]["expr"]
+        values = evaluator.evaluate(outcomes, 4)
+        assert values[(("outcome", "acked"),)] == pytest.approx(40.0)
+        assert values[(("outcome", "retried"),)] == pytest.approx(2.0)
+        p50 = panels["Confirm latency"]["targets"][0]["expr"]
+        assert 0.0025 <= evaluator.evaluate(p50, 4)[()] <= 0.005
+        assert render.legend_for("{{queue}} {{reason}}", {"queue": "q", "reason": "x"}) == "q x"
+
+    def test_metrics_guide_shows_the_rendered_panels(self) -> None:
+        guide = (ROOT / "docs" / "guides" / "metrics.md").read_text()
+        assert "../img/dashboard.png" in guide
+        assert (ROOT / "docs" / "img" / "dashboard.png").stat().st_size > 10_000
