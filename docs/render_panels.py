@@ -146,9 +146,7 @@ class Evaluator:
             for labels, value in self._vector(hq[2], index).items():
                 buckets[float(dict(labels)["le"])] += value
             return {(): histogram_quantile(float(hq[1]), buckets)}
-        agg = re.fullmatch(r"(sum|max)(?: by \(([\w, ]+)\))? \((.+)\)", expr) or re.fullmatch(
-            r"(sum|max)(?: by \(([\w, ]+)\))?\((.+)\)", expr
-        )
+        agg = re.fullmatch(r"(sum|max)(?: by \(([\w, ]+)\))? ?\((.+)\)", expr)
         if agg is None:
             raise ValueError(f"unsupported expression: {expr}")
         by = [name.strip() for name in (agg[2] or "").split(",") if name.strip()]

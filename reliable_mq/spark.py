@@ -81,6 +81,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("reliable_mq.spark needs PySpark: pip install 'reliable-mq[spark]'") from exc
 
 import aiormq
+from aio_pika.abc import AbstractChannel, AbstractConnection
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
@@ -735,29 +736,38 @@ async def _check_destination(spec: PublishSpec) -> None:
     try:
         amqp = await supervisor.wait_connected()
         if spec.exchange:
-            channel = await amqp.channel(publisher_confirms=False)
-            try:
-                await channel.get_exchange(spec.exchange, ensure=True)
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                raise DestinationNotFound(
-                    f"exchange {spec.exchange!r} does not exist on {connection.addresses[0]}; "
-                    "declare it before publishing"
-                ) from None
-            if not channel.is_closed:
-                await channel.close()
+            exchange = spec.exchange
+            await _passive_declare(
+                amqp,
+                lambda channel: channel.get_exchange(exchange, ensure=True),
+                f"exchange {exchange!r} does not exist on {connection.addresses[0]}; "
+                "declare it before publishing",
+            )
         elif spec.routing_key is not None:
-            channel = await amqp.channel(publisher_confirms=False)
-            try:
-                await channel.get_queue(spec.routing_key, ensure=True)
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                raise DestinationNotFound(
-                    f"queue {spec.routing_key!r} does not exist on {connection.addresses[0]} "
-                    "(default exchange: the routing key names the queue); declare it first"
-                ) from None
-            if not channel.is_closed:
-                await channel.close()
+            queue = spec.routing_key
+            await _passive_declare(
+                amqp,
+                lambda channel: channel.get_queue(queue, ensure=True),
+                f"queue {queue!r} does not exist on {connection.addresses[0]} "
+                "(default exchange: the routing key names the queue); declare it first",
+            )
     finally:
         await supervisor.close()
+
+
+async def _passive_declare(
+    amqp: AbstractConnection,
+    declare: Callable[[AbstractChannel], Awaitable[object]],
+    missing: str,
+) -> None:
+    """Run a passive declare on a channel of its own; a 404 becomes DestinationNotFound."""
+    channel = await amqp.channel(publisher_confirms=False)
+    try:
+        await declare(channel)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        raise DestinationNotFound(missing) from None
+    if not channel.is_closed:
+        await channel.close()
 
 
 def _check_columns(spec: PublishSpec, available: Sequence[str]) -> None:
