@@ -188,10 +188,7 @@ class DedupGate:
             return
         delivery._dedup_owner = None
         try:
-            await self.store.release(delivery.message_id, owner=owner)
-        except DedupStoreUnavailable as exc:
-            self._events["release_failed"].inc()
-            self._failed("release", exc)
+            await self._quiet_release(delivery.message_id, owner)
         except asyncio.CancelledError:
             self._spawn(self._quiet_release(delivery.message_id, owner))
             raise
