@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import random
-import re
 
 import aio_pika
 import aiormq
@@ -20,7 +19,7 @@ from aio_pika.abc import AbstractConnection
 from .errors import BrokerUnavailable, ClosedError
 from .log import get_logger
 from .metrics import Metrics
-from .settings import BrokerAddress, ConnectionSettings
+from .settings import BrokerAddress, ConnectionSettings, redact_credentials
 
 __all__ = ("ConnectionState", "ConnectionSupervisor")
 
@@ -249,8 +248,5 @@ class ConnectionSupervisor:
 
 def _describe(exc: BaseException) -> str:
     """A one-line, password-free description of a connection error."""
-    text = _CREDENTIALS.sub(r"\1***@", str(exc) or type(exc).__name__)
+    text = redact_credentials(str(exc) or type(exc).__name__)
     return f"{type(exc).__name__}: {text}"[:300]
-
-
-_CREDENTIALS = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")

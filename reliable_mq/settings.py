@@ -8,6 +8,7 @@ the input (a URL may carry a password).
 
 from __future__ import annotations
 
+import re
 import ssl
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ __all__ = (
     "ConsumerSettings",
     "PublisherSettings",
     "TLSSettings",
+    "redact_credentials",
     "redact_url",
 )
 
@@ -36,6 +38,18 @@ def redact_url(url: str | URL) -> str:
     if parsed.password is None:
         return str(parsed)
     return str(parsed.with_password("***"))
+
+
+_CREDENTIALS = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+
+
+def redact_credentials(text: str) -> str:
+    """Replace the password of every ``scheme://user:password@`` inside ``text``.
+
+    For free text that may quote a URL (an error message, a traceback), where
+    :func:`redact_url` cannot be applied because the URL is not separate.
+    """
+    return _CREDENTIALS.sub(r"\1***@", text)
 
 
 @dataclass(frozen=True)

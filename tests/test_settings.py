@@ -14,6 +14,7 @@ from reliable_mq import (
     ReliablePublisher,
     redact_url,
 )
+from reliable_mq.settings import redact_credentials
 
 
 class TestValidation:
@@ -92,6 +93,13 @@ class TestSecrets:
         assert "s3cret" not in str(settings.addresses)
         assert settings.addresses[0].redacted == "amqp://user:***@host:5672/vh"
         assert redact_url("amqp://host/") == "amqp://host/"
+
+    def test_credentials_in_free_text_are_hidden(self) -> None:
+        text = "to amqp://u:p4ss@h:5672/ failed, then amqps://a:b@c/ and redis://:r3d@r:6379/0"
+        assert redact_credentials(text) == (
+            "to amqp://u:***@h:5672/ failed, then amqps://a:***@c/ and redis://:***@r:6379/0"
+        )
+        assert redact_credentials("amqp://host:5672/ refused") == "amqp://host:5672/ refused"
 
     async def test_unreachable_broker_error_and_logs_hide_the_password(
         self, caplog: pytest.LogCaptureFixture

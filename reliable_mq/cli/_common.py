@@ -21,7 +21,7 @@ from pydantic import SecretStr
 
 from ..connection import ConnectionSupervisor
 from ..metrics import Metrics
-from ..settings import ConnectionSettings, PublisherSettings
+from ..settings import ConnectionSettings, PublisherSettings, redact_credentials
 
 __all__ = (
     "DEFAULT_URL",
@@ -85,12 +85,9 @@ class CommandFailed(Exception):
 # -- shared helpers -------------------------------------------------------------
 
 
-_CREDENTIALS = re.compile(r"(amqps?://[^:/@\s]*:)[^@\s]*@")
-
-
 def redact(text: str, url: str | None = None) -> str:
     """Hide passwords: any ``scheme://user:pass@`` and the literal password of ``url``."""
-    text = _CREDENTIALS.sub(r"\1***@", text)
+    text = redact_credentials(text)
     if url:
         for part in url.split(","):
             match = re.match(r"amqps?://[^:/@\s]*:([^@\s]+)@", part.strip())
