@@ -13,11 +13,15 @@ ReliableMQError
 ├── FlushTimeout               (also TimeoutError) flush() ran out of time
 ├── PublishError                                  one message's outcome was not "confirmed"
 │   ├── PublishUnroutable                         basic.return: no queue took it (not retried)
-│   ├── ExchangeNotFound                          the exchange does not exist (not retried)
+│   ├── PublishRefused                            the broker refused this message (not retried)
+│   │   └── ExchangeNotFound                      404: the exchange does not exist
 │   ├── MessageTooLarge                           over max_message_size (never sent)
 │   ├── PublishGaveUp                             nacked / never confirmed max_attempts times
-│   ├── PublishTimeout                            the caller's deadline passed first
-│   └── PublishAborted                            close() ran out of time before its confirm
+│   ├── PublishOutcomeUnknown                     the broker may have it: retry with the same id
+│   │   ├── PublishTimeout     (also TimeoutError) the caller's deadline passed first
+│   │   └── PublishAborted                        close() ran out of time before its confirm
+│   └── PublishUnavailable (also BrokerUnavailable) no connection for unavailable_timeout
+├── PublishBatchError                             publish_many(): some messages failed
 └── ConsumerError                                 consumer-side failures (see consumer docs)
 ```
 """
@@ -37,9 +41,13 @@ __all__ = (
     "InvalidSettings",
     "MessageTooLarge",
     "PublishAborted",
+    "PublishBatchError",
     "PublishError",
     "PublishGaveUp",
+    "PublishOutcomeUnknown",
+    "PublishRefused",
     "PublishTimeout",
+    "PublishUnavailable",
     "PublishUnroutable",
     "ReliableMQError",
 )
@@ -144,8 +152,33 @@ class PublishUnroutable(PublishError):
         )
 
 
-class ExchangeNotFound(PublishError):
-    """The target exchange does not exist; the broker closed the channel with 404."""
+class PublishRefused(PublishError):
+    """The broker refused this message (a channel or connection close naming it).
+
+    Not retried: sending it again would be refused again. Other messages in
+    flight at the time are republished, never reported with this error.
+
+    Attributes:
+        reply_code: the AMQP reply code (403, 404, 406...), if the broker sent one.
+        reply_text: the broker's reply text.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        message_id: str,
+        attempts: int,
+        reply_code: int | None = None,
+        reply_text: str = "",
+    ) -> None:
+        self.reply_code = reply_code
+        self.reply_text = reply_text
+        super().__init__(message, message_id=message_id, attempts=attempts)
+
+
+class ExchangeNotFound(PublishRefused):
+    """The target exchange does not exist (404); no attempt of the message was routed."""
 
 
 class MessageTooLarge(PublishError):
@@ -156,13 +189,40 @@ class PublishGaveUp(PublishError):
     """The broker nacked the message, or never confirmed it, ``max_attempts`` times."""
 
 
-class PublishTimeout(PublishError, TimeoutError):
-    """The caller's deadline passed before a confirm.
+class PublishOutcomeUnknown(PublishError):
+    """The broker may or may not have taken the message.
 
-    The outcome is unknown: the broker may still have taken the message, which is
-    why a retry by the caller must keep the same ``message_id``.
+    A retry by the caller must keep the same ``message_id``, so that a
+    de-duplicating consumer applies it once.
     """
 
 
-class PublishAborted(PublishError):
+class PublishTimeout(PublishOutcomeUnknown, TimeoutError):
+    """The caller's deadline passed before a confirm; the outcome is unknown."""
+
+
+class PublishAborted(PublishOutcomeUnknown):
     """``close()`` gave up waiting for this message's confirm; its outcome is unknown."""
+
+
+class PublishUnavailable(PublishError, BrokerUnavailable):
+    """No connection could be had for ``unavailable_timeout`` seconds.
+
+    Every message waiting for a connection fails together with this error, and
+    new publishes fail at once until the connection is back. If ``attempts`` is
+    above 0, an earlier attempt reached the broker and may have been taken:
+    retry with the same ``message_id``.
+    """
+
+
+class PublishBatchError(ReliableMQError):
+    """``publish_many()`` ended with failed messages; :attr:`result` has every outcome.
+
+    Attributes:
+        result: the batch's ``BatchResult`` (counts, and each failure with its
+            index, message id and error).
+    """
+
+    def __init__(self, message: str, result: Any) -> None:
+        self.result = result
+        super().__init__(message)

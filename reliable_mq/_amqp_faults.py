@@ -1,0 +1,244 @@
+"""The one place that turns aiormq / aio-pika exceptions and close reasons into our outcomes.
+
+Like httpx's ``map_httpcore_exceptions``: no other module lists aiormq
+exception classes. Callers catch :data:`AMQP_ERRORS` (or use
+:func:`classify` on whatever they caught) and ``match`` on the
+:class:`FaultKind` of the resulting :class:`Fault`.
+
+Reply codes follow AMQP 0-9-1: 3xx are soft errors that close a channel or
+mean "forced", 4xx close the channel (the command was refused), 5xx close the
+whole connection (a frame the broker could not accept, or a broker fault).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+import aiormq
+from aiormq.exceptions import (
+    AMQPChannelError,
+    AMQPConnectionError,
+    AMQPError,
+    AuthenticationError,
+    ChannelAccessRefused,
+    ChannelClosed,
+    ChannelInvalidStateError,
+    ChannelLockedResource,
+    ChannelNotFoundEntity,
+    ChannelPreconditionFailed,
+    ConnectionChannelError,
+    ConnectionClosed,
+    ConnectionCommandInvalid,
+    ConnectionFrameError,
+    ConnectionInternalError,
+    ConnectionNotAllowed,
+    ConnectionNotImplemented,
+    ConnectionResourceError,
+    ConnectionSyntaxError,
+    ConnectionUnexpectedFrame,
+    IncompatibleProtocolError,
+    ProbableAuthenticationError,
+)
+
+from .settings import redact_credentials
+
+__all__ = (
+    "AMQP_ERRORS",
+    "REPLY_SUCCESS",
+    "Fault",
+    "FaultKind",
+    "classify",
+    "classify_close",
+    "is_delivery_nack",
+    "is_return",
+)
+
+AMQP_ERRORS: tuple[type[BaseException], ...] = (
+    AMQPError,
+    ChannelInvalidStateError,
+    ConnectionError,
+    OSError,
+    TimeoutError,
+)
+"""Everything a call into aiormq / aio-pika can raise because of the broker or the network.
+
+``ChannelInvalidStateError`` is a ``RuntimeError`` outside aiormq's own tree
+(an operation on a channel that is already closed); it is listed here so that
+nobody else has to catch ``RuntimeError`` wholesale.
+"""
+
+REPLY_SUCCESS = 200
+"""The reply code of a normal, requested close."""
+
+_CONNECTION_FORCED = 320
+
+_CHANNEL_CODES: dict[type[BaseException], int] = {
+    ChannelAccessRefused: 403,
+    ChannelNotFoundEntity: 404,
+    ChannelLockedResource: 405,
+    ChannelPreconditionFailed: 406,
+}
+_CONNECTION_CODES: dict[type[BaseException], int] = {
+    ConnectionFrameError: 501,
+    ConnectionSyntaxError: 502,
+    ConnectionCommandInvalid: 503,
+    ConnectionChannelError: 504,
+    ConnectionUnexpectedFrame: 505,
+    ConnectionResourceError: 506,
+    ConnectionNotAllowed: 530,
+    ConnectionNotImplemented: 540,
+    ConnectionInternalError: 541,
+}
+
+_ENTITY = re.compile(r"\b(exchange|queue) '(.*?)' in vhost '")
+
+
+class FaultKind(enum.StrEnum):
+    """What a lower-layer error means for the caller."""
+
+    CONNECTION_LOST = "connection_lost"
+    """The connection is gone (network, heartbeat, broker shutdown, forced close): reconnect."""
+    CHANNEL_LOST = "channel_lost"
+    """The channel is gone for a reason that is not a refusal of our command: reopen."""
+    NOT_FOUND = "not_found"
+    """404: the exchange or queue named in :attr:`Fault.entity` does not exist."""
+    REFUSED = "refused"
+    """The broker refused a command we sent (403, 405, 406, 530, 540 or a 50x frame error).
+
+    Sending the same thing again gets the same answer: never retry it blindly.
+    """
+    AUTH_REFUSED = "auth_refused"
+    """The broker refused our credentials or vhost at connection time."""
+    TIMEOUT = "timeout"
+    """An operation ran out of time (the link may be stuck)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One classified lower-layer error.
+
+    Attributes:
+        kind: what it means.
+        reply_code: the AMQP reply code, when the broker sent one.
+        reply_text: the broker's text (or the exception's), never containing a password.
+        connection_level: the whole connection closed, not just a channel.
+        entity: ``("exchange" | "queue", name)`` when the reply text names one.
+    """
+
+    kind: FaultKind
+    reply_code: int | None = None
+    reply_text: str = ""
+    connection_level: bool = False
+    entity: tuple[str, str] | None = None
+
+    @property
+    def broker_initiated(self) -> bool:
+        """True when the broker itself closed the channel or connection (it sent a code)."""
+        return self.reply_code is not None and self.reply_code != REPLY_SUCCESS
+
+    @property
+    def refusal(self) -> bool:
+        """True when the broker refused something we sent (retrying would repeat it)."""
+        return self.kind in (FaultKind.NOT_FOUND, FaultKind.REFUSED)
+
+    def names(self, kind: str, name: str) -> bool:
+        """True if the reply text names ``kind`` (``"exchange"``/``"queue"``) ``name``."""
+        return self.entity == (kind, name)
+
+    def describe(self) -> str:
+        """``"404 NOT_FOUND - no exchange 'x' in vhost '/'"``-style one-liner."""
+        code = f"{self.reply_code} " if self.reply_code is not None else ""
+        return f"{code}{self.reply_text or self.kind.value}"[:500]
+
+
+def _entity(text: str) -> tuple[str, str] | None:
+    match = _ENTITY.search(text)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def _text(exc: BaseException) -> str:
+    if isinstance(exc, AMQPError) and exc.args:
+        parts = [str(part) for part in exc.args if part is not None]
+        # ChannelClosed / ConnectionClosed carry (code, text); others carry (text,).
+        if len(parts) > 1 and parts[0].isdigit():
+            parts = parts[1:]
+        text = " ".join(parts)
+    else:
+        text = str(exc) or type(exc).__name__
+    return redact_credentials(text)
+
+
+def classify(exc: BaseException) -> Fault | None:
+    """Classify ``exc``; ``None`` if it is not a broker or network error (a bug: re-raise it)."""
+    text = _text(exc)
+    match exc:
+        case AuthenticationError() | ProbableAuthenticationError():
+            return Fault(FaultKind.AUTH_REFUSED, 403, text, connection_level=True)
+        case IncompatibleProtocolError():
+            return Fault(FaultKind.REFUSED, None, text, connection_level=True)
+        case ChannelNotFoundEntity():
+            return Fault(FaultKind.NOT_FOUND, 404, text, entity=_entity(text))
+        case AMQPChannelError() if type(exc) in _CHANNEL_CODES:
+            channel_code = _CHANNEL_CODES[type(exc)]
+            return Fault(FaultKind.REFUSED, channel_code, text, entity=_entity(text))
+        case ChannelClosed():
+            code = _code_arg(exc)
+            kind = FaultKind.REFUSED if code is not None and code >= 400 else FaultKind.CHANNEL_LOST
+            return Fault(kind, code, text, entity=_entity(text))
+        case ConnectionClosed() if type(exc) in _CONNECTION_CODES:
+            connection_code = _CONNECTION_CODES[type(exc)]
+            kind = FaultKind.CONNECTION_LOST if connection_code == 504 else FaultKind.REFUSED
+            return Fault(kind, connection_code, text, connection_level=True, entity=_entity(text))
+        case ConnectionClosed():
+            code = _code_arg(exc)
+            if code == 403:
+                return Fault(FaultKind.AUTH_REFUSED, code, text, connection_level=True)
+            return Fault(FaultKind.CONNECTION_LOST, code, text, connection_level=True)
+        case AMQPConnectionError() | ConnectionError():
+            return Fault(FaultKind.CONNECTION_LOST, None, text, connection_level=True)
+        case TimeoutError():
+            return Fault(FaultKind.TIMEOUT, None, text)
+        case OSError():
+            return Fault(FaultKind.CONNECTION_LOST, None, text, connection_level=True)
+        case ChannelInvalidStateError():
+            return Fault(FaultKind.CHANNEL_LOST, None, text)
+        case AMQPError():
+            return Fault(FaultKind.CHANNEL_LOST, None, text)
+    return None
+
+
+def classify_close(
+    reply_code: int | None, reply_text: str | None, *, connection_level: bool
+) -> Fault:
+    """Classify a ``channel.close`` / ``connection.close`` frame the broker sent."""
+    text = redact_credentials(reply_text or "")
+    entity = _entity(text)
+    if reply_code is None or reply_code in (REPLY_SUCCESS, _CONNECTION_FORCED):
+        kind = FaultKind.CONNECTION_LOST if connection_level else FaultKind.CHANNEL_LOST
+    elif reply_code == 404:
+        kind = FaultKind.NOT_FOUND
+    elif reply_code == 504:
+        kind = FaultKind.CONNECTION_LOST
+    elif reply_code >= 400:
+        kind = FaultKind.REFUSED
+    else:
+        kind = FaultKind.CONNECTION_LOST if connection_level else FaultKind.CHANNEL_LOST
+    return Fault(kind, reply_code, text, connection_level=connection_level, entity=entity)
+
+
+def _code_arg(exc: BaseException) -> int | None:
+    if exc.args and isinstance(exc.args[0], int):
+        return exc.args[0]
+    return None
+
+
+def is_delivery_nack(exc: BaseException) -> bool:
+    """True for aiormq's error for a ``basic.nack`` of a publish."""
+    return isinstance(exc, aiormq.exceptions.DeliveryError) and not is_return(exc)
+
+
+def is_return(exc: BaseException) -> bool:
+    """True for aiormq's error for a ``basic.return`` of a mandatory publish."""
+    return isinstance(exc, aiormq.exceptions.PublishError)

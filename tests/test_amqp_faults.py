@@ -1,0 +1,115 @@
+"""The one classifier of lower-layer errors, tested as a table."""
+
+from __future__ import annotations
+
+import aiormq
+import pytest
+
+from reliable_mq._amqp_faults import Fault, FaultKind, classify, classify_close
+
+E = aiormq.exceptions
+
+TABLE: list[tuple[BaseException, FaultKind, int | None, bool]] = [
+    (
+        E.ChannelNotFoundEntity("NOT_FOUND - no exchange 'x' in vhost '/'"),
+        FaultKind.NOT_FOUND,
+        404,
+        False,
+    ),
+    (
+        E.ChannelAccessRefused(
+            "ACCESS_REFUSED - cannot publish to internal exchange 'i' in vhost '/'"
+        ),
+        FaultKind.REFUSED,
+        403,
+        False,
+    ),
+    (
+        E.ChannelPreconditionFailed("PRECONDITION_FAILED - invalid expiration"),
+        FaultKind.REFUSED,
+        406,
+        False,
+    ),
+    (E.ChannelLockedResource("RESOURCE_LOCKED - exclusive"), FaultKind.REFUSED, 405, False),
+    (E.ChannelClosed(None, None), FaultKind.CHANNEL_LOST, None, False),
+    (E.ChannelClosed(320, "CONNECTION_FORCED"), FaultKind.CHANNEL_LOST, 320, False),
+    (E.ChannelClosed(530, "NOT_ALLOWED"), FaultKind.REFUSED, 530, False),
+    (E.ChannelInvalidStateError("closed"), FaultKind.CHANNEL_LOST, None, False),
+    (
+        E.ConnectionChannelError("CHANNEL_ERROR - expected 'channel.open'"),
+        FaultKind.CONNECTION_LOST,
+        504,
+        True,
+    ),
+    (E.ConnectionInternalError("INTERNAL_ERROR"), FaultKind.REFUSED, 541, True),
+    (E.ConnectionFrameError("FRAME_ERROR"), FaultKind.REFUSED, 501, True),
+    (
+        E.ConnectionClosed(320, "CONNECTION_FORCED - closed by test"),
+        FaultKind.CONNECTION_LOST,
+        320,
+        True,
+    ),
+    (E.ConnectionClosed(403, "ACCESS_REFUSED - vhost"), FaultKind.AUTH_REFUSED, 403, True),
+    (E.ProbableAuthenticationError("ACCESS_REFUSED"), FaultKind.AUTH_REFUSED, 403, True),
+    (E.AMQPConnectionError("reset"), FaultKind.CONNECTION_LOST, None, True),
+    (ConnectionResetError("reset by peer"), FaultKind.CONNECTION_LOST, None, True),
+    (OSError("unreachable"), FaultKind.CONNECTION_LOST, None, True),
+    (TimeoutError(), FaultKind.TIMEOUT, None, False),
+]
+
+
+class TestClassify:
+    @pytest.mark.parametrize(("exc", "kind", "code", "connection_level"), TABLE)
+    def test_table(
+        self, exc: BaseException, kind: FaultKind, code: int | None, connection_level: bool
+    ) -> None:
+        """Each lower-layer error maps to one fault kind, code and level."""
+        fault = classify(exc)
+        assert fault is not None
+        assert (fault.kind, fault.reply_code, fault.connection_level) == (
+            kind,
+            code,
+            connection_level,
+        )
+
+    def test_not_a_broker_error(self) -> None:
+        """Programming errors are not faults: the caller re-raises them."""
+        assert classify(KeyError("x")) is None
+        assert classify(ValueError("x")) is None
+
+    def test_entity_is_parsed_from_the_reply_text(self) -> None:
+        """The exchange or queue a refusal names is available to match on."""
+        fault = classify(E.ChannelNotFoundEntity("NOT_FOUND - no exchange 'a b' in vhost '/'"))
+        assert fault is not None and fault.names("exchange", "a b")
+        assert not fault.names("exchange", "a")
+
+    def test_passwords_never_reach_the_text(self) -> None:
+        """A URL quoted in an error keeps its password out of the fault."""
+        fault = classify(OSError("cannot reach amqp://u:s3cret@host:5672/"))
+        assert fault is not None and "s3cret" not in fault.reply_text
+
+    def test_refusal_and_broker_initiated(self) -> None:
+        """Refusals are the 404 and 40x/50x answers to something we sent."""
+        assert Fault(FaultKind.NOT_FOUND, 404).refusal
+        assert not Fault(FaultKind.CHANNEL_LOST, 320).refusal
+        assert Fault(FaultKind.CHANNEL_LOST, 320).broker_initiated
+        assert not Fault(FaultKind.CONNECTION_LOST, None).broker_initiated
+
+
+class TestClassifyClose:
+    @pytest.mark.parametrize(
+        ("code", "connection_level", "kind"),
+        [
+            (200, False, FaultKind.CHANNEL_LOST),
+            (320, True, FaultKind.CONNECTION_LOST),
+            (404, False, FaultKind.NOT_FOUND),
+            (403, False, FaultKind.REFUSED),
+            (406, False, FaultKind.REFUSED),
+            (504, True, FaultKind.CONNECTION_LOST),
+            (541, True, FaultKind.REFUSED),
+            (None, False, FaultKind.CHANNEL_LOST),
+        ],
+    )
+    def test_table(self, code: int | None, connection_level: bool, kind: FaultKind) -> None:
+        """Close frames classify by reply code and level."""
+        assert classify_close(code, "x", connection_level=connection_level).kind is kind
