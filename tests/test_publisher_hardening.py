@@ -22,8 +22,8 @@ from reliable_mq import (
     InvalidMessage,
     Message,
     PublishBatchError,
-    PublisherSettings,
     PublishError,
+    PublisherSettings,
     PublishOutcomeUnknown,
     PublishRefused,
     PublishResult,
@@ -163,15 +163,15 @@ class TestMissingExchange:
             connections, channels = _generations(publisher)
         delivered = await drain_queue(broker_url, queue)
         ids = [m.message_id for m in delivered]
-        print(
-            f"\ncollateral: alone {alone:.2f}s, with a bad publish every 50 ms {together:.2f}s "
+        figure = (
+            f"alone {alone:.2f}s, with a bad publish every 50 ms {together:.2f}s "
             f"(ratio {together / alone:.2f}), {refusals} refusals, {connections} connection(s), "
             f"{channels} channel(s), {len(ids) - len(set(ids))} duplicate copies"
         )
-        assert refusals >= 2
-        assert (connections, channels) == (1, 1)
-        assert len(ids) == len(set(ids)) == len(messages)
-        assert together <= 2.5 * alone + 1.0  # the target (1.5x) is reported, with CI slack
+        assert refusals >= 2, figure
+        assert (connections, channels) == (1, 1), figure
+        assert len(ids) == len(set(ids)) == len(messages), figure
+        assert together <= 2.5 * alone + 1.0, figure  # target 1.5x: bench/collateral.py
 
     async def test_exchange_deleted_mid_stream(
         self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, queue: str

@@ -11,9 +11,9 @@ import pamqp.frame
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pamqp.body import ContentBody
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
-from pamqp.body import ContentBody
 
 from reliable_mq._confirms import ConfirmTracker
 from reliable_mq._wire import (
