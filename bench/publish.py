@@ -10,6 +10,9 @@ median rate, the ratio against aio-pika *unconfirmed* and against pika
 time of this process and of the broker's ``beam.smp``, divided by messages).
 
     python bench/publish.py [--messages 20000] [--window 1000] [--rounds 3] [--uvloop]
+                            [--json results.json]
+
+``--json`` writes the medians for ``bench/plot.py`` (the chart in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -221,6 +225,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     print(header)
     print("-" * len(header))
+    rows = []
     for name, found in samples.items():
         client = _median([s.client_us for s in found])
         broker = _median([s.broker_us for s in found])
@@ -230,6 +235,30 @@ async def main(args: argparse.Namespace) -> None:
             f"{name:<40} {confirmed:>8} {rates[name]:>9,.0f} {rates[name] / aio:>11.2f}x "
             f"{rates[name] / pik:>7.2f}x {client or 0:>14.1f} {broker_text}"
         )
+        rows.append(
+            {
+                "variant": name,
+                "confirms": VARIANTS[name][1],
+                "rate": rates[name],
+                "vs_aio_pika": rates[name] / aio,
+                "vs_pika": rates[name] / pik,
+                "client_us": client,
+                "broker_us": broker,
+            }
+        )
+    if args.json:
+        with open(args.json, "w") as out:  # noqa: ASYNC230 - once, after the measurements
+            json.dump(
+                {
+                    "messages": args.messages,
+                    "window": args.window,
+                    "rounds": args.rounds,
+                    "loop": loop_name,
+                    "rows": rows,
+                },
+                out,
+                indent=2,
+            )
 
 
 def cli() -> None:
@@ -238,9 +267,10 @@ def cli() -> None:
     parser.add_argument("--window", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians")
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop (if installed)")
+    parser.add_argument("--json", help="also write the medians to this file")
     args = parser.parse_args()
     if args.uvloop:
-        import uvloop
+        import uvloop  # noqa: PLC0415 - optional
 
         uvloop.run(main(args))
     else:
