@@ -80,7 +80,7 @@ from .log import get_logger
 from .metrics import Metrics
 from .publisher import ReliablePublisher
 from .settings import ConnectionSettings, ConsumerSettings, PublisherSettings
-from .topology import QueueTopology, declare_topology
+from .topology import QueueTopology, prepare_topology
 
 __all__ = (
     "DEAD_LETTER_HEADERS",
@@ -496,9 +496,10 @@ class ReliableConsumer(Router):
         aio_channel = None
         try:
             async with asyncio.timeout(self._connection_settings.connect_timeout):
+                check = await prepare_topology(
+                    connection, route.topology, declare=route.spec.declare
+                )
                 aio_channel = await connection.channel(publisher_confirms=False)
-                if route.spec.declare:
-                    await declare_topology(aio_channel, route.topology)
                 channel = cast(Channel, await aio_channel.get_underlay_channel())
                 await channel.basic_qos(prefetch_count=self.settings.prefetch)
                 session = Session(self._shared, route, channel)
@@ -516,7 +517,12 @@ class ReliableConsumer(Router):
         session.consumer_tag = ok.consumer_tag
         route.session = session
         route.ready.set()
-        route.log.debug("consuming", consumer_tag=ok.consumer_tag)
+        if first:
+            if check.adopted:
+                route.log.warning("queue_used_as_is", detail=check.warning(route.topology))
+            route.log.info("consuming", prefetch=self.settings.prefetch, messages=check.messages)
+        else:
+            route.log.debug("consuming", consumer_tag=ok.consumer_tag)
 
     async def _wait_session_end(self, session: Session) -> str:
         """Wait until the channel closes, or the broker cancels our consumer.
