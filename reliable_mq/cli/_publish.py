@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import queue
 import secrets
 import statistics
@@ -12,7 +13,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple
 
@@ -237,6 +238,19 @@ def _count_lines(path: str) -> int | None:
         raise CLIError(f"cannot read {path}: {exc.strerror}") from None
 
 
+def _raw_lines(fileno: int) -> Iterator[bytes]:
+    """Lines read with ``os.read``: no buffered-reader lock, so an interrupted
+    command can exit while this thread still waits on an idle pipe."""
+    rest = b""
+    while chunk := os.read(fileno, 65536):
+        rest += chunk
+        *lines, rest = rest.split(b"\n")
+        for line in lines:
+            yield line + b"\n"
+    if rest:
+        yield rest
+
+
 async def _read_lines(stream: IO[bytes]) -> AsyncIterator[tuple[int, bytes]]:
     """Yield ``(line number, line)`` from a thread, so a slow pipe never blocks the loop."""
     loop = asyncio.get_running_loop()
@@ -251,7 +265,7 @@ async def _read_lines(stream: IO[bytes]) -> AsyncIterator[tuple[int, bytes]]:
                 loop.call_soon_threadsafe(ready.set)
 
         try:
-            for number, line in enumerate(stream, 1):
+            for number, line in enumerate(_raw_lines(stream.fileno()), 1):
                 put((number, line))
         except BaseException as exc:  # handed to the loop, which raises it
             put(exc)
