@@ -121,7 +121,7 @@ class ConfirmChannel:
     def begin(self, task: asyncio.Task[Any], deadline: float) -> int:
         """Register an attempt about to use the channel; returns its generation.
 
-        ``deadline`` (loop time) is when :meth:`expire` interrupts the attempt.
+        ``deadline`` (loop time) is when `expire()` interrupts the attempt.
         """
         generation = self.generation
         self._attempts_on[generation] = self._attempts_on.get(generation, 0) + 1
@@ -242,7 +242,7 @@ class ConfirmChannel:
         aiormq does not always wake them: a publish blocked on the connection's
         full write queue (holding the channel lock) waits forever when the
         writer died (aio-pika #636, #689). We cancel those tasks; the attempt
-        sees :meth:`interruption` and turns it into "channel lost, republish".
+        sees `interruption()` and turns it into "channel lost, republish".
         """
         for task, (on, _) in list(self._sending.items()):
             if on == generation:
@@ -252,7 +252,7 @@ class ConfirmChannel:
         """Let attempts on dead channels report back first, so republish keeps order.
 
         aiormq rejects a dead channel's confirms in no particular order; waiting
-        for all of them (briefly) lets :meth:`_wake_waiters` sort them.
+        for all of them (briefly) lets `_wake_waiters()` sort them.
         """
         if not self._attempts_on:
             return

@@ -30,7 +30,7 @@ _FATAL_CONNECT_ERRORS: tuple[type[BaseException], ...] = (
 
 
 class ConnectionState(enum.StrEnum):
-    """Where a :class:`ConnectionSupervisor` is in its life."""
+    """Where a `ConnectionSupervisor` is in its life."""
 
     IDLE = "idle"
     """Not started."""

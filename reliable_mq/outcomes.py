@@ -42,9 +42,9 @@ class PublisherStats(NamedTuple):
 
 
 class PendingPublish:
-    """A message in flight; ``await`` it for its :class:`PublishResult`.
+    """A message in flight; ``await`` it for its `PublishResult`.
 
-    Returned by :meth:`ReliablePublisher.enqueue` once the message holds a
+    Returned by `ReliablePublisher.enqueue()` once the message holds a
     window slot and its first attempt is written to the channel.
     """
 

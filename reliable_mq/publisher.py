@@ -9,14 +9,14 @@ second tag table; we react to each message's outcome.
 
 Outcomes per message:
 
-* ``basic.ack``: confirmed, ``publish()`` returns a :class:`PublishResult`.
+* ``basic.ack``: confirmed, ``publish()`` returns a `PublishResult`.
 * ``basic.nack``: republished with backoff, same ``message_id``, up to
-  ``max_attempts``; then :class:`~reliable_mq.errors.PublishGaveUp`.
-* ``basic.return`` (mandatory): :class:`~reliable_mq.errors.PublishUnroutable`,
+  ``max_attempts``; then [`PublishGaveUp`][reliable_mq.errors.PublishGaveUp].
+* ``basic.return`` (mandatory): [`PublishUnroutable`][reliable_mq.errors.PublishUnroutable],
   not retried.
 * channel or connection lost: republished on the next channel, in the original
   order, never twice in flight on one channel; the caller keeps waiting.
-* deadline passed: :class:`~reliable_mq.errors.PublishTimeout`.
+* deadline passed: [`PublishTimeout`][reliable_mq.errors.PublishTimeout].
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class ReliablePublisher:
 
     Args:
         connection: an AMQP URL (several, comma separated, fail over), or
-            :class:`ConnectionSettings`; default: from ``RELIABLE_MQ_*`` variables.
+            `ConnectionSettings`; default: from ``RELIABLE_MQ_*`` variables.
         settings: window, deadlines and retry policy; default: from
             ``RELIABLE_MQ_PUBLISHER_*`` variables.
         registry: the Prometheus registry for metrics (default: the global one).
@@ -197,7 +197,7 @@ class ReliablePublisher:
         """Stop taking messages, wait for outstanding confirms, then close.
 
         Messages still unconfirmed after ``timeout`` (default
-        ``settings.close_timeout``) fail with :class:`PublishAborted`; nothing is
+        ``settings.close_timeout``) fail with `PublishAborted`; nothing is
         dropped silently.
         """
         if self._closed:
@@ -254,7 +254,7 @@ class ReliablePublisher:
             routing_key: the routing key (the queue name on the default exchange).
             exchange: the exchange name; "" is the default exchange.
             timeout: the deadline in seconds (default ``settings.publish_timeout``).
-            **options: message properties, see :class:`MessageOptions`
+            **options: message properties, see `MessageOptions`
                 (``message_id``, ``headers``, ``persistent``, ``mandatory``...).
 
         Raises:
@@ -277,10 +277,10 @@ class ReliablePublisher:
         timeout: float | None = None,
         **options: Unpack[MessageOptions],
     ) -> PendingPublish:
-        """Like :meth:`publish`, but return as soon as the message is in flight.
+        """Like `publish()`, but return as soon as the message is in flight.
 
         It waits for a window slot (that is the backpressure), writes the first
-        attempt, and returns a :class:`PendingPublish` to await for the outcome.
+        attempt, and returns a `PendingPublish` to await for the outcome.
         Errors that happen before the message is in flight are raised here.
         """
         out = self._prepare(body, routing_key, exchange, timeout, options)

@@ -1,7 +1,7 @@
 """The ``reliable-mq`` command line: publish with confirms, consume, inspect and repair.
 
 Every subcommand is one ``add_*_arguments(parser)`` function and one
-``async def run_*(args) -> int`` function, listed in :data:`COMMANDS`; adding a
+``async def run_*(args) -> int`` function, listed in `COMMANDS`; adding a
 subcommand means writing those two (in a module of this package) and one line
 in the tuple.
 
@@ -78,7 +78,7 @@ COMMANDS: tuple[Command, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``reliable-mq`` parser with one sub-parser per :data:`COMMANDS` entry."""
+    """The ``reliable-mq`` parser with one sub-parser per `COMMANDS` entry."""
     parser = argparse.ArgumentParser(
         prog="reliable-mq",
         description="Loss-proof RabbitMQ tools: every message confirmed by the broker.",

@@ -83,7 +83,7 @@ class Command(NamedTuple):
     """One subcommand: its name, a one-line help, and its two functions.
 
     ``common=False`` when ``add_arguments`` builds nested subcommands and adds
-    the common options (:func:`add_common_arguments`) to each of them itself.
+    the common options (`add_common_arguments()`) to each of them itself.
     """
 
     name: str
@@ -110,7 +110,7 @@ _JSON_REPORTS = False
 
 def configure_cli_logging(*, json_lines: bool, level: str) -> None:
     """One stderr handler for everything: reliable_mq's structlog events, the stdlib
-    records of aio-pika and aiormq, and the command's own report lines (:func:`say`).
+    records of aio-pika and aiormq, and the command's own report lines (`say()`).
 
     With ``json_lines`` each is one JSON object per line; otherwise readable lines.
     Below DEBUG, aio-pika's and aiormq's own records are muted: each failed connect
@@ -194,10 +194,10 @@ def printable(value: object) -> str:
 
 
 class StopSignals:
-    """SIGINT and SIGTERM set :attr:`event` once; a second signal interrupts at once.
+    """SIGINT and SIGTERM set `event` once; a second signal interrupts at once.
 
     Use as a context manager around the part of a command that can stop early;
-    :attr:`exit_code` is then 130 (SIGINT) or 143 (SIGTERM), else None.
+    `exit_code` is then 130 (SIGINT) or 143 (SIGTERM), else None.
     """
 
     def __init__(self) -> None:

@@ -8,7 +8,7 @@ messages that were in the DLQ when the command started are scanned, so a
 message that fails again at once cannot make ``move --all`` loop.
 
 ``move`` republishes each selected message to its original queue through a
-:class:`~reliable_mq.publisher.ReliablePublisher` (confirms, mandatory, same
+[`ReliablePublisher`][reliable_mq.publisher.ReliablePublisher] (confirms, mandatory, same
 ``message_id``, attempt count and dead-letter headers removed) and acks it in
 the DLQ only once the broker has confirmed the copy: a crash in between leaves
 a duplicate (same ``message_id``), never a loss.

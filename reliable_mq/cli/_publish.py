@@ -1,4 +1,4 @@
-"""``publish`` and ``bench``: stream messages through a :class:`ReliablePublisher`."""
+"""``publish`` and ``bench``: stream messages through a `ReliablePublisher`."""
 
 from __future__ import annotations
 

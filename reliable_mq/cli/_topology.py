@@ -1,7 +1,7 @@
 """``topology``: declare or delete a work queue with its retry queues and DLQ.
 
-The queues and their arguments come from :class:`reliable_mq.topology.QueueTopology`,
-exactly as :class:`~reliable_mq.consumer.ReliableConsumer` declares them, so a
+The queues and their arguments come from [`reliable_mq.topology.QueueTopology`][reliable_mq.topology.QueueTopology],
+exactly as [`ReliableConsumer`][reliable_mq.consumer.ReliableConsumer] declares them, so a
 queue set made here is the one a consumer with the same ``retry_delays``
 expects.
 """
