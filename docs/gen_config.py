@@ -161,7 +161,7 @@ def metrics_table() -> str:
         }.get(kind, _breakable(name))
         labels = ", ".join(f"`{label}`" for label in collector._labelnames) or "—"
         rows.append(
-            f"| {exposed} | {kind} | {labels} | {_escape(collector._documentation)} | `{field_name}` |"
+            f"| {exposed} | {kind} | {labels} | {_escape(collector._documentation)} | {_breakable(field_name)} |"
         )
     return "\n".join(rows) + "\n"
 

@@ -59,7 +59,7 @@ class TestGeneratedTables:
         """Each Metrics field has a row in the metrics page."""
         text = _load_hook().metrics_table()  # type: ignore[attr-defined]
         for field in Metrics.on(CollectorRegistry()).__dataclass_fields__:
-            assert f"| `{field}` |" in text, field
+            assert f"| <code>{field.replace('_', '_<wbr>')}</code> |" in text, field
 
     def test_markers_are_replaced(self) -> None:
         """The mkdocs hook replaces markers and refuses unknown ones."""
