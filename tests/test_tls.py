@@ -131,7 +131,7 @@ async def test_a_hostname_mismatch_is_rejected(tls_node: TLSNode) -> None:
     tls = TLSSettings(
         ca_file=tls_node.ca_file, cert_file=tls_node.client_cert, key_file=tls_node.client_key
     )
-    with pytest.raises(BrokerUnavailable, match="CERTIFICATE_VERIFY_FAILED.*(mismatch|match)"):
+    with pytest.raises(BrokerUnavailable, match=r"CERTIFICATE_VERIFY_FAILED.*mismatch"):
         async with ReliablePublisher(
             _settings(tls_node.url("127.0.0.1"), tls), registry=CollectorRegistry()
         ):
@@ -140,7 +140,7 @@ async def test_a_hostname_mismatch_is_rejected(tls_node: TLSNode) -> None:
 
 async def test_without_a_client_certificate_the_broker_refuses(tls_node: TLSNode) -> None:
     """Mutual TLS is enforced: no client certificate, no connection (a typed error, no hang)."""
-    with pytest.raises(BrokerUnavailable) as caught:
+    with pytest.raises(BrokerUnavailable):
         async with ReliablePublisher(
             _settings(tls_node.url(), TLSSettings(ca_file=tls_node.ca_file)),
             registry=CollectorRegistry(),
