@@ -178,3 +178,16 @@ async def test_declare_topology_from_a_url(broker_url: str) -> None:
         connection = await aio_pika.connect(broker_url)
         async with connection:
             await delete_topology(await connection.channel(), QueueTopology(name))
+
+
+async def test_an_error_raised_to_the_caller_is_not_logged_as_a_warning(broker_url: str) -> None:
+    """PublishUnroutable reaches the caller; the log says it at debug level only."""
+    from reliable_mq import PublishUnroutable
+
+    with structlog.testing.capture_logs() as logs:
+        async with ReliablePublisher(broker_url, registry=CollectorRegistry()) as publisher:
+            with pytest.raises(PublishUnroutable):
+                await publisher.publish(b"x", routing_key=f"nobody-{uuid.uuid4().hex[:8]}")
+    failed = [e for e in logs if e["event"] == "publish_failed"]
+    assert [e["log_level"] for e in failed] == ["debug"]
+    assert not [e for e in logs if e["log_level"] in ("warning", "error")]
