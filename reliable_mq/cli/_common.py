@@ -378,6 +378,8 @@ class Progress:
 
 def progress_for(args: argparse.Namespace, *, total: int | None, label: str) -> Progress:
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
+    if getattr(args, "log_json", False):
+        enabled = False  # stderr is JSON lines then: no bar drawn between them
     return Progress(sys.stderr, total=total, enabled=enabled, label=label)
 
 
