@@ -1,10 +1,12 @@
 """Handler registration, body decoding by annotation, ack policies and handler signals.
 
 A handler is an ``async def`` taking the decoded body, optionally followed by the
-[`Delivery`][reliable_mq.delivery.Delivery]::
+[`Delivery`][reliable_mq.delivery.Delivery]:
 
-    @router.handler("orders")
-    async def on_order(order: Order, delivery: Delivery) -> None: ...
+```python
+@router.handler("orders")
+async def on_order(order: Order, delivery: Delivery) -> None: ...
+```
 
 The body's annotation picks the decoder: a pydantic model (JSON, validated),
 ``dict``/``list`` or any other type pydantic can validate (JSON), ``str``

@@ -5,13 +5,15 @@ in a daemon thread and answers ``GET /metrics`` (any path, in fact) with the
 text exposition format of one registry. The only differences are the defaults:
 it listens on ``127.0.0.1`` rather than on every interface (metrics tell a lot
 about a system; expose them on purpose), and it serves the registry you passed
-to your publishers and consumers::
+to your publishers and consumers:
 
-    registry = CollectorRegistry()
-    server, thread = start_metrics_server(9464, registry=registry)
-    async with ReliablePublisher(url, registry=registry) as publisher:
-        ...
-    stop_metrics_server(server, thread)
+```python
+registry = CollectorRegistry()
+server, thread = start_metrics_server(9464, registry=registry)
+async with ReliablePublisher(url, registry=registry) as publisher:
+    ...
+stop_metrics_server(server, thread)
+```
 
 Pass ``port=0`` to get a free port; read it back from ``server.server_port``.
 Applications that already run an HTTP server (aiohttp, FastAPI...) should

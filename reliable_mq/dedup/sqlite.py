@@ -8,15 +8,18 @@ readers go on meanwhile). Times are wall-clock, since processes share them.
 Exactly-once effects: when a handler writes its effect into the same database,
 `SQLiteDedupStore.run_once()` (or `mark_done_in()` on
 your own connection) commits the effect and the *done* mark together, so a
-crash after the commit but before the ack cannot apply it twice::
+crash after the commit but before the ack cannot apply it twice:
 
-    def add_to_balance(conn: sqlite3.Connection) -> None:
-        conn.execute("UPDATE account SET balance = balance + 10 WHERE id = 1")
+```python
+def add_to_balance(conn: sqlite3.Connection) -> None:
+    conn.execute("UPDATE account SET balance = balance + 10 WHERE id = 1")
 
-    try:
-        await store.run_once(delivery.message_id, add_to_balance)
-    except AlreadyProcessed:
-        pass  # another copy committed first: ack and skip
+try:
+    await store.run_once(delivery.message_id, add_to_balance)
+except AlreadyProcessed:
+    pass  # another copy committed first: ack and skip
+```
+
 """
 
 from __future__ import annotations
