@@ -486,10 +486,13 @@ class TestFaults:
         """Closing the consumer's connection mid-flight loses nothing and trips no stale tag."""
         consumer = env.consumer(prefetch=50, ack_batch_size=10)
         processed: collections.Counter[str] = collections.Counter()
+        cut_done = asyncio.Event()
 
         @consumer.handler(env.queue)
         async def handler(body: bytes, delivery: Delivery) -> None:
             await asyncio.sleep(0.1)
+            if len(processed) >= 100:
+                await cut_done.wait()  # hold deliveries in flight until the cut (no timing bet)
             processed[delivery.message_id] += 1
 
         env.track(consumer)
@@ -497,8 +500,10 @@ class TestFaults:
             pid = await _connection_pid(consumer.connection_name)
             ids = await env.publish([b"x"] * 600)
             await wait_until(lambda: len(processed) >= 100, 20, "first hundred")
-            assert consumer.stats().in_progress > 0
+            await wait_until(lambda: consumer.stats().in_progress > 0, 20, "handlers in flight")
             await _rabbitmqctl("close_connection", pid, "test cut")
+            await wait_until(lambda: consumer.stats().channel_reopens >= 1, 30, "the reopen")
+            cut_done.set()
             await wait_until(lambda: set(ids) <= set(processed), 60, "every message processed")
             await asyncio.sleep(0.3)
             stats = consumer.stats()
