@@ -6,7 +6,7 @@ publish to an exchange waits for a ``exchange.declare(passive=True)`` on a
 separate probe channel; only a 404 there fails the message, and the confirm
 channel never sees it. The answer is cached: "exists" until a publish channel
 is closed with a 404 naming the exchange, "refused" (for example an internal
-exchange, 403) for :data:`REFUSAL_TTL` seconds, so a loop publishing to a bad
+exchange, 403) for `REFUSAL_TTL` seconds, so a loop publishing to a bad
 exchange fails locally and fast instead of closing the confirm channel again
 and again.
 """

@@ -29,7 +29,7 @@ def exchange_label(exchange: str) -> str:
 
 @dataclass(frozen=True)
 class Metrics:
-    """Every reliable_mq collector; get one with :meth:`Metrics.on`."""
+    """Every reliable_mq collector; get one with `Metrics.on()`."""
 
     published: Counter
     confirmed: Counter
