@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,15 @@ from ._dsn import dialect_of, redact_dsn, sqlite_path
 from ._schema import DEFAULT_TABLE, Dialect, RowState, check_table_name, schema_sql
 from .errors import OutboxUnavailable
 
-__all__ = ("DeadRow", "OutboxStatus", "create_schema", "dead_rows", "outbox_status", "requeue_dead")
+__all__ = (
+    "DeadRow",
+    "OutboxStatus",
+    "cleanup",
+    "create_schema",
+    "dead_rows",
+    "outbox_status",
+    "requeue_dead",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +127,43 @@ async def requeue_dead(
             params = ([int(i) for i in ids],)
     (rows,) = await _execute(database, [(query + " RETURNING id", params)])
     return len(rows)
+
+
+async def cleanup(
+    database: str | os.PathLike[str],
+    *,
+    table: str = DEFAULT_TABLE,
+    keep_sent: float = 0.0,
+    keep_dead: float | None = 7 * 86_400.0,
+    batch: int = 1000,
+) -> int:
+    """Delete ``sent`` rows older than ``keep_sent`` seconds and ``dead`` rows older than
+    ``keep_dead`` (never if None), ``batch`` rows per transaction; return how many."""
+    table = check_table_name(table)
+    sqlite = dialect_of(database) is Dialect.SQLITE
+    total = 0
+    for state, keep in ((RowState.SENT, keep_sent), (RowState.DEAD, keep_dead)):
+        if keep is None:
+            continue
+        while True:
+            if sqlite:
+                query = (
+                    f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE state = ?"
+                    " AND done_at < ? ORDER BY done_at LIMIT ?) RETURNING id"
+                )
+                params: tuple[Any, ...] = (state.value, time.time() - keep, batch)
+            else:
+                query = (
+                    f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE state = %s"
+                    " AND done_at < now() - make_interval(secs => %s) ORDER BY done_at"
+                    " LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id"
+                )
+                params = (state.value, float(keep), batch)
+            (rows,) = await _execute(database, [(query, params)])
+            total += len(rows)
+            if len(rows) < batch:
+                break
+    return total
 
 
 async def _execute(
