@@ -19,7 +19,7 @@ import signal
 from typing import Any
 
 from ..outbox import OutboxRelay, RelaySettings, admin, redact_dsn, schema_sql
-from ..outbox._dsn import dialect_of
+from ..outbox._dsn import dialect_of, error_text
 from ..outbox.errors import OutboxError, OutboxUnavailable
 from ..settings import PublisherSettings
 from ._common import (
@@ -105,9 +105,9 @@ async def run_outbox(args: argparse.Namespace) -> int:
         dialect_of(args.dsn)
         return await _ACTIONS[args.outbox_command](args)
     except OutboxUnavailable as exc:
-        raise CLIError(redact_dsn(str(exc))) from None
+        raise CLIError(error_text(exc)) from None
     except (OutboxError, ValueError) as exc:
-        raise CommandFailed(redact_dsn(str(exc))) from None
+        raise CommandFailed(error_text(exc)) from None
 
 
 async def _init(args: argparse.Namespace) -> int:

@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "PostgresDedupStore needs psycopg 3: pip install 'reliable-mq[postgres]'"
     ) from exc
 
-from ..outbox._dsn import redact_dsn
+from ..outbox._dsn import error_text
 from ..outbox._schema import check_table_name
 from .base import AlreadyProcessed, ClaimResult, DedupStoreUnavailable
 
@@ -254,9 +254,7 @@ class PostgresDedupStore:
                 yield conn
             except psycopg.Error as exc:
                 healthy = False
-                raise DedupStoreUnavailable(
-                    f"PostgreSQL dedup store: {redact_dsn(str(exc))}"
-                ) from None
+                raise DedupStoreUnavailable(f"PostgreSQL dedup store: {error_text(exc)}") from None
             except BaseException:
                 healthy = conn is not None and not conn.closed and _idle_in(conn)
                 raise

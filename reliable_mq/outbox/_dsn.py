@@ -9,7 +9,7 @@ from pathlib import Path
 from ..settings import redact_credentials
 from ._schema import Dialect
 
-__all__ = ("describe_database", "dialect_of", "redact_dsn", "sqlite_path")
+__all__ = ("describe_database", "dialect_of", "error_text", "redact_dsn", "sqlite_path")
 
 _KEYWORD_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 _URL_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&\s]*", re.IGNORECASE)
@@ -50,3 +50,8 @@ def describe_database(database: str | os.PathLike[str]) -> str:
     if dialect_of(database) is Dialect.SQLITE:
         return f"sqlite:{sqlite_path(database)}"
     return redact_dsn(os.fspath(database))
+
+
+def error_text(error: BaseException) -> str:
+    """A driver error as one line with every password hidden (libpq's span several lines)."""
+    return redact_dsn(" ".join(str(error).split()))

@@ -32,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from ._backend import Backlog, OutboxRow, RowOutcome, RowResult
-from ._dsn import redact_dsn
+from ._dsn import error_text
 from ._schema import notify_channel
 from .errors import OutboxError, OutboxUnavailable
 
@@ -56,7 +56,7 @@ async def connect(
             application_name=application_name,
         )
     except psycopg.Error as exc:
-        raise OutboxUnavailable(f"cannot connect to PostgreSQL: {redact_dsn(str(exc))}") from None
+        raise OutboxUnavailable(f"cannot connect to PostgreSQL: {error_text(exc)}") from None
 
 
 class PostgresBackend:
@@ -106,7 +106,7 @@ class PostgresBackend:
                 found = await cursor.fetchone()
             except psycopg.Error as exc:
                 await work.close()
-                raise OutboxUnavailable(f"PostgreSQL: {redact_dsn(str(exc))}") from None
+                raise OutboxUnavailable(f"PostgreSQL: {error_text(exc)}") from None
             if found is None or found[0] is None:
                 await work.close()
                 raise OutboxError(
@@ -127,7 +127,7 @@ class PostgresBackend:
             await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
         except psycopg.Error as exc:
             await listener.close()
-            raise OutboxUnavailable(f"PostgreSQL LISTEN failed: {redact_dsn(str(exc))}") from None
+            raise OutboxUnavailable(f"PostgreSQL LISTEN failed: {error_text(exc)}") from None
         self._listener = listener
         self._notified.set()  # rows may have come while nobody listened
         self._listen_task = asyncio.get_running_loop().create_task(
@@ -179,7 +179,7 @@ class PostgresBackend:
             cursor: psycopg.AsyncCursor[Any] = await self._conn().execute(query, params)
             return cursor
         except psycopg.Error as exc:
-            raise OutboxUnavailable(f"PostgreSQL: {redact_dsn(str(exc))}") from exc
+            raise OutboxUnavailable(f"PostgreSQL: {error_text(exc)}") from None
 
     # -- batches ----------------------------------------------------------------------
 

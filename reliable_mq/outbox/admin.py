@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._dsn import dialect_of, redact_dsn, sqlite_path
+from ._dsn import dialect_of, error_text, sqlite_path
 from ._schema import DEFAULT_TABLE, Dialect, RowState, check_table_name, schema_sql
 from .errors import OutboxUnavailable
 
@@ -184,7 +184,7 @@ async def _execute(
                     cursor = await conn.execute(query.encode(), params)
                     results.append(await cursor.fetchall() if cursor.description else [])
     except psycopg.Error as exc:
-        raise OutboxUnavailable(f"PostgreSQL: {redact_dsn(str(exc))}") from None
+        raise OutboxUnavailable(f"PostgreSQL: {error_text(exc)}") from None
     return results
 
 

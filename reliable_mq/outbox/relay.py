@@ -45,7 +45,7 @@ from ..outcomes import PendingPublish
 from ..publisher import ReliablePublisher
 from ..settings import ConnectionSettings, PublisherSettings, _Settings
 from ._backend import Backend, OutboxRow, RowOutcome, RowResult
-from ._dsn import describe_database, dialect_of, redact_dsn, sqlite_path
+from ._dsn import describe_database, dialect_of, error_text, sqlite_path
 from ._schema import DEFAULT_TABLE, Dialect, check_table_name
 from .errors import OutboxError, OutboxUnavailable
 
@@ -346,7 +346,7 @@ class OutboxRelay:
         self._outages += 1
         delay = min(0.1 * 2 ** min(failures, 10), self.settings.reconnect_delay_max)
         self._log.warning(
-            "outbox_database_unavailable", error=redact_dsn(str(exc)), retry_in=round(delay, 2)
+            "outbox_database_unavailable", error=error_text(exc), retry_in=round(delay, 2)
         )
         await self._backend.reset()
         try:
@@ -413,7 +413,7 @@ class OutboxRelay:
         return results
 
     def _failed(self, row: OutboxRow, exc: ReliableMQError) -> RowResult:
-        reason = _printable(f"{type(exc).__name__}: {redact_dsn(str(exc))}")[:_MAX_REASON]
+        reason = _printable(f"{type(exc).__name__}: {error_text(exc)}")[:_MAX_REASON]
         if isinstance(exc, (PublishUnroutable, PublishRefused, MessageTooLarge, InvalidMessage)):
             self._log.warning(
                 "outbox_row_dead",
