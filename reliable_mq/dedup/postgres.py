@@ -69,6 +69,7 @@ _MARK_DONE = (
 )
 # Refuses an id another transaction already made done (and still remembers).
 _MARK_DONE_ONCE = _MARK_DONE + " WHERE d.owner IS NOT NULL OR d.expires_at <= clock_timestamp()"
+_SCHEMA_LOCK = 0x726D_7164_6564_7570  # "rmqdedup" in ASCII: the schema-creation lock key
 _RELEASE = "DELETE FROM {t} WHERE message_id = %(id)s AND owner = %(owner)s"
 _PURGE = (
     "DELETE FROM {t} WHERE message_id IN (SELECT message_id FROM {t}"
@@ -135,6 +136,7 @@ class PostgresDedupStore:
         self._idle: list[psycopg.AsyncConnection[Any]] = []
         self._slots = asyncio.Semaphore(pool_size)
         self._schema_ready = False
+        self._schema_lock = asyncio.Lock()
         self._closed = False
 
     # -- DedupStore -----------------------------------------------------------------
@@ -284,15 +286,12 @@ class PostgresDedupStore:
         return conn
 
     async def _create_schema(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        for attempt in range(3):
-            try:
-                await conn.execute(self._sql["schema0"])
-                await conn.execute(self._sql["schema1"])
-                break
-            except psycopg.errors.UniqueViolation:  # two stores creating it at once
-                if attempt == 2:
-                    raise
-                await asyncio.sleep(0.05)
+        # Concurrent CREATE ... IF NOT EXISTS can still collide in the catalogs
+        # (or deadlock): one creator at a time, across every process.
+        async with self._schema_lock, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            await conn.execute(self._sql["schema0"])
+            await conn.execute(self._sql["schema1"])
         self._schema_ready = True
 
     async def _maybe_purge(self, conn: psycopg.AsyncConnection[Any]) -> None:
