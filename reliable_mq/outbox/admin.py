@@ -55,11 +55,17 @@ class DeadRow:
 
 Statement = tuple[str, Sequence[Any]]
 
+_INIT_LOCK = 0x726D_716F_7574_626F  # "rmqoutbo" in ASCII: the schema-creation lock key
+
 
 async def create_schema(database: str | os.PathLike[str], *, table: str = DEFAULT_TABLE) -> None:
     """Create the outbox table, its indexes (and NOTIFY trigger) if missing: idempotent."""
-    statements = schema_sql(dialect_of(database), check_table_name(table))
-    await _execute(database, [(statement, ()) for statement in statements])
+    dialect = dialect_of(database)
+    statements: list[Statement] = [(s, ()) for s in schema_sql(dialect, check_table_name(table))]
+    if dialect is Dialect.POSTGRES:
+        # Two processes running init at once would collide in the catalogs.
+        statements.insert(0, ("SELECT pg_advisory_xact_lock(%s)", (_INIT_LOCK,)))
+    await _execute(database, statements)
 
 
 async def outbox_status(
