@@ -91,6 +91,7 @@ class PostgresBackend:
         self._listen_task: asyncio.Task[None] | None = None
         self._notified = asyncio.Event()
         self._in_batch = False
+        self._next_listen = 0.0
 
     # -- connections ----------------------------------------------------------------
 
@@ -113,8 +114,11 @@ class PostgresBackend:
                     f"table {self._table_name!r} does not exist: run `reliable-mq outbox init`"
                 )
             self._work = work
-        if self._listen and (self._listen_task is None or self._listen_task.done()):
-            await self._start_listening()
+        if self._listen and not self.listening:
+            now = asyncio.get_running_loop().time()
+            if now >= self._next_listen:  # at most every few seconds after a failure
+                self._next_listen = now + 5.0
+                await self._start_listening()
 
     async def _start_listening(self) -> None:
         await self._stop_listening()
@@ -157,6 +161,7 @@ class PostgresBackend:
 
     async def reset(self) -> None:
         self._in_batch = False
+        self._next_listen = 0.0
         await self._stop_listening()
         work, self._work = self._work, None
         if work is not None:

@@ -47,7 +47,7 @@ from ..settings import ConnectionSettings, PublisherSettings, _Settings
 from ._backend import Backend, OutboxRow, RowOutcome, RowResult
 from ._dsn import describe_database, dialect_of, error_text, sqlite_path
 from ._schema import DEFAULT_TABLE, Dialect, check_table_name
-from .errors import OutboxError, OutboxUnavailable
+from .errors import OutboxUnavailable
 
 __all__ = ("OutboxRelay", "RelaySettings", "RelayStats")
 
@@ -293,9 +293,7 @@ class OutboxRelay:
                 await self._housekeeping()
                 handled = await self.run_once()
                 failures = 0
-            except OutboxError as exc:
-                if not isinstance(exc, OutboxUnavailable):
-                    raise
+            except OutboxUnavailable as exc:
                 failures += 1
                 await self._outage(exc, failures)
                 continue
@@ -308,6 +306,7 @@ class OutboxRelay:
         Raises:
             OutboxUnavailable: the database failed; the batch's rows stay pending.
         """
+        await self._backend.open()  # after an outage; nothing to do when connected
         self._backend.forget_notifications()
         started = time.monotonic()
         rows = await self._backend.claim(self.settings.batch_size)
@@ -354,10 +353,9 @@ class OutboxRelay:
                 await self._stopping.wait()
         except TimeoutError:
             pass
-        if not self._stopping.is_set():
-            await self._backend.open()
 
     async def _housekeeping(self) -> None:
+        await self._backend.open()
         now = time.monotonic()
         if now >= self._next_stats:
             self._next_stats = now + self.settings.stats_interval

@@ -28,6 +28,7 @@ from reliable_mq.outbox import (
     schema_sql,
 )
 from reliable_mq.outbox.admin import create_schema, dead_rows, outbox_status, requeue_dead
+from reliable_mq.testing import TCPProxy
 from tests.support.amqp import drain_queue
 from tests.support.private_postgres import PrivatePostgres
 
@@ -245,6 +246,31 @@ class TestErrors:
             await relay.start()
         await relay.close()
         assert SECRET not in str(info.value)
+
+    async def test_relay_outlives_a_database_it_cannot_reconnect_to(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        """Connections cut and new ones refused for a while: the relay waits, then goes on."""
+        async with TCPProxy("127.0.0.1", pg.port) as proxy:
+            dsn = f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres?connect_timeout=2"
+            async with relay_for(dsn, broker_url, table, reconnect_delay_max=0.2) as relay:
+                running = asyncio.ensure_future(relay.run())
+                try:
+                    proxy.set_refuse(True)
+                    await proxy.cut()
+                    await asyncio.sleep(1.5)  # several reconnects fail meanwhile
+                    assert not running.done(), running
+                    assert relay.stats().outages >= 2
+                    proxy.set_refuse(False)
+                    await write(pg.dsn, table, [{"routing_key": queue, "message_id": "back"}])
+                    deadline = time.monotonic() + 20
+                    while relay.stats().dispatched < 1:
+                        assert time.monotonic() < deadline and not running.done()
+                        await asyncio.sleep(0.05)
+                finally:
+                    relay.stop()
+                    await asyncio.wait_for(running, 10)
+        await drain_queue(broker_url, queue, idle_timeout=0.3)
 
 
 class TestSQLite:
