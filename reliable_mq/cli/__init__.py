@@ -41,6 +41,7 @@ from ._common import (
 )
 from ._consume import add_consume_arguments, run_consume
 from ._dlq import add_dlq_arguments, run_dlq
+from ._outbox import add_outbox_arguments, run_outbox
 from ._publish import add_bench_arguments, add_publish_arguments, run_bench, run_publish
 from ._topology import add_topology_arguments, run_topology
 
@@ -73,6 +74,13 @@ COMMANDS: tuple[Command, ...] = (
         common=False,
     ),
     Command("bench", "measure confirmed publish throughput", add_bench_arguments, run_bench),
+    Command(
+        "outbox",
+        "transactional outbox: create the table, run the relay, inspect and requeue dead rows",
+        add_outbox_arguments,
+        run_outbox,
+        common=False,
+    ),
 )
 """Every subcommand, in ``--help`` order."""
 
