@@ -357,3 +357,39 @@ class TestErrorTree:
 
         assert issubclass(PublishTimeout, PublishOutcomeUnknown)
         assert issubclass(PublishAborted, PublishOutcomeUnknown)
+
+
+class TestNoReconnectStorm:
+    async def test_broker_closes_back_off_network_cuts_do_not(
+        self, broker_url: str, queue: str
+    ) -> None:
+        """Young connections the broker keeps closing delay the next reconnect more and
+        more; a network cut does not count."""
+        from reliable_mq.testing import TCPProxy
+        from tests.conftest import proxied_url
+        from tests.test_publisher import _close_connection_named
+
+        async with TCPProxy("127.0.0.1", 5672) as proxy:
+            settings = conn(proxied_url(proxy), reconnect_initial_delay=0.2, reconnect_max_delay=5)
+            name = f"{settings.connection_name}.publisher"
+            async with ReliablePublisher(
+                settings, settings=fast_settings(), registry=CollectorRegistry()
+            ) as publisher:
+                supervisor = publisher._supervisor
+                young = 0
+                for round_ in range(3):
+                    generation = supervisor.generation
+                    opened = supervisor.connected_at
+                    await asyncio.to_thread(_close_connection_named, name)
+                    lived = asyncio.get_running_loop().time() - opened
+                    await wait_until(lambda g=generation: supervisor.generation > g, timeout=30)
+                    young = young + 1 if lived < 2.0 else 0
+                    assert supervisor._short_lives == young, (round_, lived)
+                if young:
+                    assert supervisor.first_reconnect_delay() >= 0.2 * 2 ** (young - 1)
+                generation = supervisor.generation
+                await proxy.cut()
+                await wait_until(lambda: supervisor.generation > generation, timeout=30)
+                assert supervisor._short_lives == 0
+                assert supervisor.first_reconnect_delay() == 0
+                assert (await publisher.publish(b"x", routing_key=queue)).attempts == 1
