@@ -12,6 +12,7 @@ from .errors import (
     InvalidBody,
     InvalidMessage,
     InvalidSettings,
+    InvalidTarget,
     MessageTooLarge,
     PublishAborted,
     PublishBatchError,
@@ -23,6 +24,7 @@ from .errors import (
     PublishUnavailable,
     PublishUnroutable,
     ReliableMQError,
+    WouldDeadlock,
 )
 from .handlers import AckPolicy, Reject, Retry, Router
 from .log import configure_logging
@@ -35,12 +37,14 @@ from .settings import (
     TLSSettings,
     redact_url,
 )
+from .sync import BlockingPublisher
 from .topology import QueueTopology, QueueType, declare_topology
 
 __version__ = "0.1.0"
 
 __all__ = (
     "AckPolicy",
+    "BlockingPublisher",
     "BrokerUnavailable",
     "ClosedError",
     "ConnectionSettings",
@@ -53,6 +57,7 @@ __all__ = (
     "InvalidBody",
     "InvalidMessage",
     "InvalidSettings",
+    "InvalidTarget",
     "MessageOptions",
     "MessageTooLarge",
     "Metrics",
@@ -78,6 +83,7 @@ __all__ = (
     "Retry",
     "Router",
     "TLSSettings",
+    "WouldDeadlock",
     "__version__",
     "configure_logging",
     "declare_topology",
