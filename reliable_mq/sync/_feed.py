@@ -63,20 +63,22 @@ class ChunkFeed(Generic[_T]):
         chunk: list[_T] = []
         born = 0.0
         check = self._check
-        for index, item in enumerate(items):
-            if check is not None:
-                check(item, index)
-            if not chunk:
-                if self.stopped:
-                    return
-                born = time.monotonic()
-            chunk.append(item)
-            if len(chunk) >= CHUNK_SIZE or time.monotonic() - born >= CHUNK_AGE:
-                if not self._put(chunk, alive):
-                    return
-                chunk = []
-        if chunk:
-            self._put(chunk, alive)
+        try:
+            for index, item in enumerate(items):
+                if check is not None:
+                    check(item, index)
+                if not chunk:
+                    if self.stopped:
+                        return
+                    born = time.monotonic()
+                chunk.append(item)
+                if len(chunk) >= CHUNK_SIZE or time.monotonic() - born >= CHUNK_AGE:
+                    if not self._put(chunk, alive):
+                        return
+                    chunk = []
+        finally:
+            if chunk:  # also when iterating raised: the items before it still go
+                self._put(chunk, alive)
 
     def finish(self) -> None:
         """No more items: the consumer ends once it has taken what is in transit."""

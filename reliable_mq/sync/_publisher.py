@@ -232,6 +232,7 @@ class BlockingPublisher:
         self._state = PublisherState.IDLE
         self._runtime: _Runtime | None = None
         self._closed = threading.Event()
+        self._closing = False
         self._pid = os.getpid()
         _process.track(self)
 
@@ -286,7 +287,10 @@ class BlockingPublisher:
             runtime, self._runtime = self._runtime, None
             self._state = PublisherState.CLOSED
             closed = self._closed
-        if runtime is None:  # never started, or another caller is closing it
+            if runtime is None and not self._closing:
+                closed.set()  # never started (or start failed): nothing to close
+            self._closing = True
+        if runtime is None:  # closed already, or another caller is closing it
             closed.wait(wait + _RESULT_GRACE)
             return
         try:
@@ -539,6 +543,7 @@ class BlockingPublisher:
         self._lock = threading.Lock()
         self._idle = threading.Condition()
         self._closed = threading.Event()
+        self._closing = False
         self._outstanding = 0
         if self._runtime is not None:
             _process.orphan(self._runtime)
