@@ -38,6 +38,7 @@ from ._common import (
 from ._consume import add_consume_arguments, run_consume
 from ._dlq import add_dlq_arguments, run_dlq
 from ._publish import add_bench_arguments, add_publish_arguments, run_bench, run_publish
+from ._run import add_run_arguments, run_run
 from ._topology import add_topology_arguments, run_topology
 
 __all__ = ("COMMANDS", "Command", "build_parser", "main")
@@ -69,6 +70,13 @@ COMMANDS: tuple[Command, ...] = (
         common=False,
     ),
     Command("bench", "measure confirmed publish throughput", add_bench_arguments, run_bench),
+    Command(
+        "run",
+        "run a consumer as supervised worker processes, with probes and metrics",
+        add_run_arguments,
+        run_run,
+        common=False,
+    ),
 )
 """Every subcommand, in ``--help`` order."""
 
