@@ -1,6 +1,5 @@
 """reliable_mq: loss-proof RabbitMQ publishing and consuming over aio-pika."""
 
-from ._outgoing import MessageOptions
 from .consumer import ConsumerStats, ReliableConsumer
 from .delivery import Delivery
 from .errors import (
@@ -28,8 +27,16 @@ from .errors import (
 )
 from .handlers import AckPolicy, Reject, Retry, Router
 from .log import configure_logging
+from .message import Message, MessageOptions
 from .metrics import Metrics
-from .publisher import PendingPublish, PublisherStats, PublishResult, ReliablePublisher
+from .outcomes import BatchFailure, BatchResult
+from .publisher import (
+    PendingPublish,
+    PublisherState,
+    PublisherStats,
+    PublishResult,
+    ReliablePublisher,
+)
 from .settings import (
     ConnectionSettings,
     ConsumerSettings,
@@ -44,6 +51,8 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AckPolicy",
+    "BatchFailure",
+    "BatchResult",
     "BlockingPublisher",
     "BrokerUnavailable",
     "ClosedError",
@@ -58,6 +67,7 @@ __all__ = (
     "InvalidMessage",
     "InvalidSettings",
     "InvalidTarget",
+    "Message",
     "MessageOptions",
     "MessageTooLarge",
     "Metrics",
@@ -73,6 +83,7 @@ __all__ = (
     "PublishUnavailable",
     "PublishUnroutable",
     "PublisherSettings",
+    "PublisherState",
     "PublisherStats",
     "QueueTopology",
     "QueueType",

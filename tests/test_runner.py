@@ -23,8 +23,8 @@ from typing import Any
 import aio_pika
 import pytest
 
-from reliable_mq import ConnectionSettings, QueueTopology
-from reliable_mq.sync import BlockingPublisher, Message
+from reliable_mq import ConnectionSettings, Message, QueueTopology
+from reliable_mq.sync import BlockingPublisher
 from reliable_mq.topology import delete_topology
 from tests.support.amqp import drain_queue_sync, run_sync
 from tests.support.threaded_proxy import ThreadedProxy

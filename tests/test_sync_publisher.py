@@ -25,14 +25,16 @@ from reliable_mq import (
     InvalidBody,
     InvalidMessage,
     InvalidSettings,
+    Message,
     PublishBatchError,
     PublisherSettings,
+    PublisherState,
     PublishResult,
     PublishTimeout,
     PublishUnroutable,
     WouldDeadlock,
 )
-from reliable_mq.sync import BlockingPublisher, Message, PublisherState
+from reliable_mq.sync import BlockingPublisher
 from tests.support.amqp import drain_queue_sync, run_sync
 from tests.support.private_node import free_port
 from tests.support.threaded_proxy import ThreadedProxy
@@ -152,17 +154,22 @@ class TestPublishMany:
         assert publisher.publish_many(messages, raise_on_error=False).confirmed == 2
         assert sorted(_ids(broker_url, squeue)) == ["ok-0", "ok-0", "ok-2", "ok-2"]  # type: ignore[type-var]
 
-    def test_an_item_that_is_not_a_message_stops_the_batch(
+    def test_an_item_that_is_not_a_message_is_a_failure(
         self, publisher: BlockingPublisher, broker_url: str, squeue: str
     ) -> None:
-        """Items before the bad one are confirmed; then InvalidMessage names its index."""
+        """As in the async publish_many: recorded with its index, the others go on."""
         items: list[object] = [
             Message(b"m", routing_key=squeue, message_id=f"i-{i}") for i in range(5)
         ]
         items.append({"body": b"m"})
-        with pytest.raises(InvalidMessage, match="item #5 is a dict"):
+        items.append(Message(b"m", routing_key=squeue, message_id="i-6"))
+        with pytest.raises(PublishBatchError) as caught:
             publisher.publish_many(items)  # type: ignore[arg-type]
-        assert _ids(broker_url, squeue) == [f"i-{i}" for i in range(5)]
+        result = caught.value.result
+        assert (result.taken, result.confirmed) == (7, 6)
+        assert [f.index for f in result.failures] == [5]
+        assert isinstance(result.failures[0].error, InvalidMessage)
+        assert _ids(broker_url, squeue) == [*(f"i-{i}" for i in range(5)), "i-6"]
 
     def test_an_error_from_the_iterable_is_raised_after_the_rest(
         self, publisher: BlockingPublisher, broker_url: str, squeue: str
@@ -211,8 +218,8 @@ class TestHostileInput:
 
         with pytest.raises(InvalidMessage, match="iterable of Message"):
             publisher.publish_many(agen())  # type: ignore[arg-type]
-        for bad in (0, -1, 1.5, "3"):
-            with pytest.raises(InvalidMessage, match="max_failures"):
+        for bad in (0, -1, 1.5, "3", True):
+            with pytest.raises(InvalidSettings, match="max_failures"):
                 publisher.publish_many([], max_failures=bad)  # type: ignore[arg-type]
 
     @pytest.mark.parametrize(
@@ -258,7 +265,7 @@ class TestHostileInput:
         publisher.submit(b"x", routing_key=squeue).add_done_callback(callback)
         assert done.wait(60)
         assert len(seen) == len(calls)
-        assert publisher.state is PublisherState.RUNNING
+        assert publisher.state is PublisherState.OPEN
         assert publisher.publish(b"after", routing_key=squeue).attempts == 1
 
 
@@ -267,7 +274,7 @@ class TestLifeCycle:
         publisher = BlockingPublisher(_connection(broker_url))
         assert publisher.state is PublisherState.IDLE
         publisher.publish(b"x", routing_key=squeue)  # connects on first use
-        assert publisher.state is PublisherState.RUNNING
+        assert publisher.state is PublisherState.OPEN
         publisher.close()
         publisher.close()  # twice is fine
         assert publisher.state is PublisherState.CLOSED

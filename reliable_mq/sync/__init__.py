@@ -2,10 +2,9 @@
 
 [BlockingPublisher][reliable_mq.sync.BlockingPublisher] publishes with
 confirms from plain threads (Flask, Django, scripts, Celery tasks); see the
-"Publishing from sync code" guide.
+"Publishing from sync code" guide. It is also importable from ``reliable_mq``.
 """
 
-from ._batch_compat import BatchFailure, BatchResult, Message
-from ._publisher import BlockingPublisher, PublisherState
+from ._publisher import BlockingPublisher
 
-__all__ = ("BatchFailure", "BatchResult", "BlockingPublisher", "Message", "PublisherState")
+__all__ = ("BlockingPublisher",)

@@ -36,14 +36,8 @@ class ChunkFeed(Generic[_T]):
     producer stops taking items once the consumer is gone.
     """
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        check: Callable[[_T, int], None] | None = None,
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._check = check
         self._chunks: deque[list[_T]] = deque()
         self._space = threading.Semaphore(MAX_CHUNKS)
         self._waiting = False
@@ -57,16 +51,13 @@ class ChunkFeed(Generic[_T]):
     def produce(self, items: Iterable[_T], alive: Callable[[], bool]) -> None:
         """Hand every item over, until the consumer stops or ``alive()`` turns false.
 
-        Errors from iterating ``items`` (or from ``check``) propagate; call
-        :meth:`finish` afterwards in every case.
+        Errors from iterating ``items`` propagate (the items before are still
+        handed over); call :meth:`finish` afterwards in every case.
         """
         chunk: list[_T] = []
         born = 0.0
-        check = self._check
         try:
-            for index, item in enumerate(items):
-                if check is not None:
-                    check(item, index)
+            for item in items:
                 if not chunk:
                     if self.stopped:
                         return

@@ -16,7 +16,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
-import enum
 import math
 import os
 import secrets
@@ -30,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from typing_extensions import Unpack
 
-from .._outgoing import MessageOptions
+from .._wire import check_timeout
 from ..errors import (
     BrokerUnavailable,
     ClosedError,
@@ -41,15 +40,15 @@ from ..errors import (
     WouldDeadlock,
 )
 from ..log import get_logger
-from ..outcomes import PublisherStats, PublishResult
-from ..publisher import ReliablePublisher
+from ..message import Message, MessageOptions
+from ..outcomes import BatchResult, PublisherStats, PublishResult
+from ..publisher import PublisherState, ReliablePublisher
 from ..settings import ConnectionSettings, PublisherSettings
 from . import _process
-from ._batch_compat import BatchResult, Message, publish_many
 from ._feed import ChunkFeed
 from ._loop import LoopThread
 
-__all__ = ("BlockingPublisher", "PublisherState")
+__all__ = ("BlockingPublisher",)
 
 _T = TypeVar("_T")
 
@@ -66,17 +65,6 @@ _Submission: TypeAlias = tuple[
 _RESULT_GRACE = 30.0
 """Seconds past a message's own deadline before the caller stops waiting for
 the loop thread to report (a safety net: the async publisher enforces deadlines)."""
-
-
-class PublisherState(enum.StrEnum):
-    """Where a [BlockingPublisher][reliable_mq.sync.BlockingPublisher] is in its life."""
-
-    IDLE = "idle"
-    """Not connected yet; the first call (or ``start()``) connects."""
-    RUNNING = "running"
-    """The loop thread runs and the publisher is connected (or reconnecting)."""
-    CLOSED = "closed"
-    """Closed by ``close()`` or at interpreter exit; takes no more messages."""
 
 
 class _Runtime:
@@ -277,17 +265,21 @@ class BlockingPublisher:
         """
         if timeout is None:
             wait = self.settings.close_timeout
+        elif type(timeout) in (int, float) and timeout == 0:
+            wait = 0.0
         else:
-            wait = _seconds(timeout, "timeout", allow_zero=True)
+            wait = check_timeout(timeout)
         runtime = self._runtime
         if runtime is not None and runtime.thread.in_loop_thread():
             raise WouldDeadlock("close() was called from the publisher's own loop thread")
         with self._lock:
             self._forget_parent_if_forked()
             runtime, self._runtime = self._runtime, None
-            self._state = PublisherState.CLOSED
+            if self._state is not PublisherState.CLOSED:
+                self._state = PublisherState.CLOSING
             closed = self._closed
             if runtime is None and not self._closing:
+                self._state = PublisherState.CLOSED
                 closed.set()  # never started (or start failed): nothing to close
             self._closing = True
         if runtime is None:  # closed already, or another caller is closing it
@@ -296,6 +288,7 @@ class BlockingPublisher:
         try:
             self._close_runtime(runtime, wait)
         finally:
+            self._state = PublisherState.CLOSED
             closed.set()
 
     def _close_runtime(self, runtime: _Runtime, wait: float) -> None:
@@ -315,7 +308,7 @@ class BlockingPublisher:
         Raises:
             PublishTimeout: ``timeout`` seconds passed first (the messages stay in flight).
         """
-        limit = None if timeout is None else _seconds(timeout, "timeout")
+        limit = None if timeout is None else check_timeout(timeout)
         runtime = self._runtime
         if runtime is not None and runtime.thread.in_loop_thread():
             raise WouldDeadlock("flush() was called from the publisher's own loop thread")
@@ -415,26 +408,29 @@ class BlockingPublisher:
             max_failures: stop taking messages after this many failures.
             raise_on_error: raise ``PublishBatchError`` if any message failed.
 
+        If iterating ``messages`` raises, the messages taken before are still
+        published and confirmed, then that exception is raised.
+
         Raises:
-            PublishBatchError: some messages failed (``.result`` has them all).
-            InvalidMessage: an item is not a ``Message`` (raised once the
-                items before it are final), or a bad argument.
+            PublishBatchError: some messages failed (``.result`` has them all;
+                an item that is not a ``Message`` is one of them).
+            InvalidMessage: ``messages`` is not an iterable, or a bad ``timeout``.
+            InvalidSettings: ``max_failures`` is not an int >= 1.
             WouldDeadlock: called from the publisher's own loop thread.
         """
         runtime = self._runtime_for_call()
         self._check("", "", timeout)
         if max_failures is not None and (type(max_failures) is not int or max_failures < 1):
-            raise InvalidMessage("max_failures must be an int >= 1 or None")
+            raise InvalidSettings("publish_many", [("max_failures", "must be an int >= 1")])
         if isinstance(messages, (str, bytes, bytearray, Mapping, AsyncIterable)) or not isinstance(
             messages, Iterable
         ):
             raise InvalidMessage(
                 f"messages must be an iterable of Message, not {type(messages).__name__}"
             )
-        feed: ChunkFeed[Message] = ChunkFeed(runtime.thread.loop, check=_check_message)
+        feed: ChunkFeed[Message] = ChunkFeed(runtime.thread.loop)
         outcome = runtime.thread.submit(
-            publish_many(
-                runtime.publisher,
+            runtime.publisher.publish_many(
                 feed.items(),
                 timeout=timeout,
                 max_failures=max_failures,
@@ -477,7 +473,7 @@ class BlockingPublisher:
             raise InvalidMessage(f"exchange must be a str, not {type(exchange).__name__}")
         if timeout is None:
             return self.settings.publish_timeout
-        return _seconds(timeout, "timeout")
+        return check_timeout(timeout)
 
     def _runtime_for_call(self) -> _Runtime:
         """The running runtime of this process; start it on first use."""
@@ -488,18 +484,18 @@ class BlockingPublisher:
                     "a blocking publisher call was made from its own loop thread "
                     "(a future callback?); call it from another thread"
                 )
-            if self._state is PublisherState.RUNNING and not runtime.dead:
+            if self._state is PublisherState.OPEN and not runtime.dead:
                 return runtime
         with self._lock:
             self._forget_parent_if_forked()
-            if self._state is PublisherState.CLOSED:
+            if self._state in (PublisherState.CLOSING, PublisherState.CLOSED):
                 raise ClosedError("publisher is closed")
             runtime = self._runtime
             if runtime is not None and runtime.thread.alive:
                 return runtime
             runtime = self._start_runtime()
             self._runtime = runtime
-            self._state = PublisherState.RUNNING
+            self._state = PublisherState.OPEN
             return runtime
 
     def _start_runtime(self) -> _Runtime:
@@ -548,7 +544,7 @@ class BlockingPublisher:
         if self._runtime is not None:
             _process.orphan(self._runtime)
             self._runtime = None
-        if self._state is PublisherState.RUNNING:
+        if self._state is PublisherState.OPEN:
             self._state = PublisherState.IDLE
         pid = os.getpid()
         base = self._connection.connection_name.split(".fork", 1)[0][:180]
@@ -559,7 +555,7 @@ class BlockingPublisher:
 
     def _close_at_exit(self) -> None:
         """The ``atexit`` hook's part: close if running in this process, bounded."""
-        if self._pid != os.getpid() or self._state is not PublisherState.RUNNING:
+        if self._pid != os.getpid() or self._state is not PublisherState.OPEN:
             return
         self.close(timeout=self._exit_timeout)
 
@@ -605,21 +601,5 @@ def _wait(
             )
 
 
-def _check_message(item: object, index: int) -> None:
-    if type(item) is not Message:
-        raise InvalidMessage(f"item #{index} is a {type(item).__name__}, not a Message")
-
-
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _seconds(value: object, name: str, *, allow_zero: bool = False) -> float:
-    """A finite number of seconds above 0 (or 0), else InvalidMessage naming ``name``."""
-    if not _is_number(value):
-        raise InvalidMessage(f"{name} must be a number of seconds, not {type(value).__name__}")
-    seconds = float(value)  # type: ignore[arg-type]
-    if not (math.isfinite(seconds) and (seconds > 0 or (allow_zero and seconds == 0))):
-        least = "0 or more" if allow_zero else "above 0"
-        raise InvalidMessage(f"{name} must be a finite number of seconds {least}, not {value!r}")
-    return seconds
