@@ -150,6 +150,8 @@ class TestFork:
             child = json.loads(process.stdout.readline())
             assert child["stage"] == "child-published", child
             assert child["connection"] != parent_name and ".fork" in child["connection"]
+            prefix = first["auto_id"].rsplit("-", 1)[0]
+            assert not child["auto_id"].startswith(prefix)  # generated ids never collide
             during = _connections(name)
             assert set(during) == {parent_name, child["connection"]}
             assert during[parent_name] == before[parent_name]  # the same TCP connection
@@ -168,4 +170,5 @@ class TestFork:
             _, stderr = process.communicate(timeout=30)
         assert process.returncode == 0, stderr[-3000:]
         ids = sorted(m.message_id or "" for m in drain_queue_sync(broker_url, squeue))
-        assert ids == ["child", "parent-after", "parent-before"]
+        expected = ["child", "parent-after", "parent-before", first["auto_id"], child["auto_id"]]
+        assert ids == sorted(expected)

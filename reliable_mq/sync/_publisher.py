@@ -2,28 +2,23 @@
 
 One daemon thread per process runs an event loop that owns a
 [ReliablePublisher][reliable_mq.ReliablePublisher]; every call is a
-message handed to that loop. There is no second implementation: confirms,
-republishing, deadlines and errors are the async publisher's.
-
-Hand-over costs little per message: callers append to a deque, and the loop
-is woken once per batch of appends (not per message) to start them all.
-Each caller is woken once, when its confirm arrives.
+message handed to that loop (see `_runtime`). There is no second
+implementation: confirms, republishing, deadlines and errors are the async
+publisher's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import itertools
 import math
 import os
 import secrets
 import threading
-from collections import deque
-from collections.abc import AsyncIterable, Iterable, Mapping
-from functools import partial
-from typing import Any, TypeAlias, TypeVar
+from collections.abc import AsyncIterable, Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
@@ -33,10 +28,12 @@ from .._wire import check_timeout
 from ..errors import (
     BrokerUnavailable,
     ClosedError,
+    FlushTimeout,
     InvalidMessage,
     InvalidSettings,
     PublishAborted,
     PublishTimeout,
+    ReliableMQError,
     WouldDeadlock,
 )
 from ..log import get_logger
@@ -47,105 +44,15 @@ from ..settings import ConnectionSettings, PublisherSettings
 from . import _process
 from ._feed import ChunkFeed
 from ._loop import LoopThread
+from ._runtime import Runtime, Waiter
 
 __all__ = ("BlockingPublisher",)
 
 _T = TypeVar("_T")
 
-_Submission: TypeAlias = tuple[
-    "concurrent.futures.Future[PublishResult]",
-    Any,  # body
-    str,  # routing key
-    str,  # exchange
-    "float | None",  # timeout
-    MessageOptions,
-    contextvars.Context,
-]
-
 _RESULT_GRACE = 30.0
 """Seconds past a message's own deadline before the caller stops waiting for
 the loop thread to report (a safety net: the async publisher enforces deadlines)."""
-
-
-class _Runtime:
-    """The loop thread and the async publisher it owns, for one process."""
-
-    __slots__ = ("dead", "publisher", "queue", "scheduled", "slots", "thread")
-
-    def __init__(self, thread: LoopThread, publisher: ReliablePublisher, max_pending: int) -> None:
-        self.thread = thread
-        self.publisher = publisher
-        self.slots = threading.BoundedSemaphore(max_pending)
-        self.queue: deque[_Submission] = deque()
-        self.scheduled = False
-        self.dead = False
-
-    def push(self, item: _Submission) -> None:
-        """Any thread: queue a message and wake the loop if no drain is pending."""
-        self.queue.append(item)
-        if self.dead:
-            self.sweep()
-        elif not self.scheduled:
-            # A drain clears `scheduled` before it empties the queue, so an item
-            # appended before we read True here is still taken by that drain.
-            self.scheduled = True
-            try:
-                self.thread.loop.call_soon_threadsafe(self.drain)
-            except RuntimeError:  # the loop is closed
-                self.dead = True
-                self.sweep()
-
-    def drain(self) -> None:
-        """Loop thread: start every queued message."""
-        self.scheduled = False
-        queue = self.queue
-        publish = self.publisher.publish
-        create_task = self.thread.loop.create_task
-        settle = self.settle
-        while queue:
-            future, body, routing_key, exchange, timeout, options, context = queue.popleft()
-            if not future.set_running_or_notify_cancel():
-                self.slots.release()  # cancelled by the caller before we took it
-                continue
-            coro = publish(
-                body, routing_key=routing_key, exchange=exchange, timeout=timeout, **options
-            )
-            task = create_task(coro, context=context)
-            task.add_done_callback(partial(settle, future, options.get("message_id") or ""))
-
-    def settle(
-        self,
-        future: concurrent.futures.Future[PublishResult],
-        message_id: str,
-        task: asyncio.Task[PublishResult],
-    ) -> None:
-        """Loop thread: pass a finished publish to its caller's future."""
-        self.slots.release()
-        if task.cancelled():
-            future.set_exception(
-                PublishAborted(
-                    "publisher stopped before a confirm; the broker may still have it",
-                    message_id=message_id,
-                    attempts=0,
-                )
-            )
-            return
-        error = task.exception()
-        if error is None:
-            future.set_result(task.result())
-        else:
-            future.set_exception(error)
-
-    def sweep(self) -> None:
-        """Fail messages queued after the loop stopped (they were never sent)."""
-        while True:
-            try:
-                future, *_ = self.queue.popleft()
-            except IndexError:
-                return
-            self.slots.release()
-            if future.set_running_or_notify_cancel():
-                future.set_exception(ClosedError("publisher is closed"))
 
 
 class BlockingPublisher:
@@ -173,8 +80,8 @@ class BlockingPublisher:
             ``RELIABLE_MQ_PUBLISHER_*`` variables.
         registry: the Prometheus registry for metrics (default: the global one).
         metrics_prefix: the metric name prefix.
-        max_pending: messages accepted and not yet final, at most; ``submit()``
-            blocks beyond that (default: twice ``settings.max_in_flight``).
+        max_pending: messages from ``submit()`` not yet final, at most;
+            ``submit()`` blocks beyond that (default: twice ``settings.max_in_flight``).
         exit_timeout: seconds an unclosed publisher waits for confirms at exit.
 
     Raises:
@@ -214,15 +121,19 @@ class BlockingPublisher:
         self._max_pending = max_pending
         self._exit_timeout = float(exit_timeout)
         self._log = get_logger(__name__)
-        self._lock = threading.Lock()
-        self._idle = threading.Condition()
-        self._outstanding = 0
         self._state = PublisherState.IDLE
-        self._runtime: _Runtime | None = None
+        self._runtime: Runtime | None = None
+        self._new_process_state()
+        _process.track(self)
+
+    def _new_process_state(self) -> None:
+        """What must not be shared with a parent process after a fork."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
         self._closed = threading.Event()
         self._closing = False
-        self._pid = os.getpid()
-        _process.track(self)
+        self._id_prefix = secrets.token_hex(8) + "-"
+        self._ids = itertools.count(1)
 
     # -- life cycle -------------------------------------------------------------
 
@@ -235,6 +146,7 @@ class BlockingPublisher:
 
     @property
     def state(self) -> PublisherState:
+        """``IDLE`` until connected, ``OPEN``, then ``CLOSING`` and ``CLOSED``."""
         return self._state
 
     @property
@@ -243,7 +155,7 @@ class BlockingPublisher:
         return f"{self._connection.connection_name}.publisher"
 
     def start(self) -> None:
-        """Connect now rather than on the first call (a no-op when running).
+        """Connect now rather than on the first call (a no-op when open).
 
         Raises:
             BrokerUnavailable: no broker address accepted a connection.
@@ -269,9 +181,7 @@ class BlockingPublisher:
             wait = 0.0
         else:
             wait = check_timeout(timeout)
-        runtime = self._runtime
-        if runtime is not None and runtime.thread.in_loop_thread():
-            raise WouldDeadlock("close() was called from the publisher's own loop thread")
+        self._refuse_loop_thread("close()")
         with self._lock:
             self._forget_parent_if_forked()
             runtime, self._runtime = self._runtime, None
@@ -291,8 +201,8 @@ class BlockingPublisher:
             self._state = PublisherState.CLOSED
             closed.set()
 
-    def _close_runtime(self, runtime: _Runtime, wait: float) -> None:
-        done = runtime.thread.submit(_close_runtime(runtime, wait))
+    def _close_runtime(self, runtime: Runtime, wait: float) -> None:
+        done = runtime.thread.submit(runtime.close(wait))
         try:
             done.result(timeout=wait + _RESULT_GRACE)
         except Exception as exc:  # past this point, closing is best effort
@@ -303,22 +213,23 @@ class BlockingPublisher:
         runtime.sweep()
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every message accepted by ``publish()``/``submit()`` is final.
+        """Wait until every message handed over by ``publish()``/``submit()`` is final.
 
         Raises:
-            PublishTimeout: ``timeout`` seconds passed first (the messages stay in flight).
+            FlushTimeout: ``timeout`` seconds passed first (the messages stay in flight).
+            WouldDeadlock: called from the publisher's own loop thread.
         """
         limit = None if timeout is None else check_timeout(timeout)
+        self._refuse_loop_thread("flush()")
         runtime = self._runtime
-        if runtime is not None and runtime.thread.in_loop_thread():
-            raise WouldDeadlock("flush() was called from the publisher's own loop thread")
-        with self._idle:
-            if not self._idle.wait_for(lambda: self._outstanding == 0, limit):
-                raise PublishTimeout(
-                    f"{self._outstanding} messages still unconfirmed after {limit}s",
-                    message_id="",
-                    attempts=0,
-                )
+        if runtime is None or self._pid != os.getpid():
+            return
+        done = runtime.thread.submit(runtime.flush())
+
+        def late() -> ReliableMQError:
+            return FlushTimeout(f"messages still unconfirmed after {limit}s")
+
+        _wait(done, limit, runtime, late)
 
     # -- publishing ---------------------------------------------------------------
 
@@ -343,11 +254,27 @@ class BlockingPublisher:
             WouldDeadlock: called from the publisher's own loop thread.
             ClosedError: the publisher is closed.
         """
-        future = self.submit(
-            body, routing_key=routing_key, exchange=exchange, timeout=timeout, **options
-        )
-        deadline = self.settings.publish_timeout if timeout is None else timeout
-        return _wait(future, deadline + _RESULT_GRACE, options.get("message_id") or "")
+        runtime = self._runtime_for_call()
+        deadline = self._check(routing_key, exchange, timeout)
+        message_id = options.get("message_id")
+        if message_id is None:
+            message_id = options["message_id"] = f"{self._id_prefix}{next(self._ids)}"
+        waiter = Waiter()
+        context = contextvars.copy_context()
+        runtime.push((waiter, body, routing_key, exchange, timeout, options, context, False))
+        waited, limit = 0.0, deadline + _RESULT_GRACE
+        while not waiter.wait(1.0):  # the loop thread reports; we only guard against its death
+            waited += 1.0
+            if not runtime.thread.alive:
+                raise PublishAborted(
+                    "the publisher's loop thread ended", message_id=message_id, attempts=0
+                )
+            if waited >= limit:
+                raise _no_outcome(message_id)
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.result is not None
+        return waiter.result
 
     def submit(
         self,
@@ -365,25 +292,23 @@ class BlockingPublisher:
         not call the publisher's blocking methods there (``WouldDeadlock``).
         ``future.cancel()`` succeeds only until the loop has taken the message.
 
-        Blocks only while ``max_pending`` messages are already outstanding
+        Blocks only while ``max_pending`` submitted messages are outstanding
         (backpressure); past the message's deadline it raises ``PublishTimeout``.
         """
         runtime = self._runtime_for_call()
         deadline = self._check(routing_key, exchange, timeout)
-        if options.get("message_id") is None:
-            options["message_id"] = secrets.token_hex(16)
+        message_id = options.get("message_id")
+        if message_id is None:
+            message_id = options["message_id"] = f"{self._id_prefix}{next(self._ids)}"
         if not runtime.slots.acquire(timeout=deadline):
             raise PublishTimeout(
                 f"max_pending={self._max_pending} messages outstanding for {deadline}s; never sent",
-                message_id=options["message_id"] or "",
+                message_id=message_id,
                 attempts=0,
             )
         future: concurrent.futures.Future[PublishResult] = concurrent.futures.Future()
-        with self._idle:
-            self._outstanding += 1
-        future.add_done_callback(self._one_done)
         context = contextvars.copy_context()
-        runtime.push((future, body, routing_key, exchange, timeout, options, context))
+        runtime.push((future, body, routing_key, exchange, timeout, options, context, True))
         return future
 
     def publish_many(
@@ -398,18 +323,19 @@ class BlockingPublisher:
 
         ``messages`` is iterated in the calling thread and handed to the loop
         in chunks, so memory stays flat for any length and a generator may do
-        I/O. Per message it behaves as the async ``publish_many()``: a
-        message that cannot be encoded, or ends in a publish error, is recorded
-        as a failure and the others go on.
+        I/O. Per message it behaves as
+        [ReliablePublisher.publish_many][reliable_mq.ReliablePublisher.publish_many]:
+        a message that cannot be encoded, or ends in a publish error, is
+        recorded as a failure and the others go on.
+
+        If iterating ``messages`` raises, the messages taken before are still
+        published and confirmed, then that exception is raised.
 
         Args:
             messages: an iterable of ``Message``.
             timeout: the deadline of each message, as in ``publish()``.
             max_failures: stop taking messages after this many failures.
             raise_on_error: raise ``PublishBatchError`` if any message failed.
-
-        If iterating ``messages`` raises, the messages taken before are still
-        published and confirmed, then that exception is raised.
 
         Raises:
             PublishBatchError: some messages failed (``.result`` has them all;
@@ -442,10 +368,10 @@ class BlockingPublisher:
         except BaseException:
             feed.finish()  # what was handed over is still published and confirmed
             with contextlib.suppress(BaseException):
-                _wait(outcome, None, "", runtime=runtime)
+                _wait(outcome, None, runtime, _aborted)
             raise
         feed.finish()
-        return _wait(outcome, None, "", runtime=runtime)
+        return _wait(outcome, None, runtime, _aborted)
 
     def stats(self) -> PublisherStats:
         """The async publisher's counters (zeros before the first connection)."""
@@ -459,12 +385,6 @@ class BlockingPublisher:
 
     # -- internals ----------------------------------------------------------------
 
-    def _one_done(self, _future: object) -> None:
-        with self._idle:
-            self._outstanding -= 1
-            if self._outstanding == 0:
-                self._idle.notify_all()
-
     def _check(self, routing_key: Any, exchange: Any, timeout: Any) -> float:
         """Validate what the facade passes on; return the deadline in seconds."""
         if not isinstance(routing_key, str):
@@ -475,15 +395,20 @@ class BlockingPublisher:
             return self.settings.publish_timeout
         return check_timeout(timeout)
 
-    def _runtime_for_call(self) -> _Runtime:
-        """The running runtime of this process; start it on first use."""
+    def _refuse_loop_thread(self, call: str) -> None:
+        runtime = self._runtime
+        if runtime is not None and runtime.thread.in_loop_thread():
+            raise WouldDeadlock(
+                f"{call} was called from the publisher's own loop thread "
+                "(a future callback?); call it from another thread"
+            )
+
+    def _runtime_for_call(self) -> Runtime:
+        """The open runtime of this process; start it on first use."""
         runtime = self._runtime
         if runtime is not None and self._pid == os.getpid():
             if runtime.thread.in_loop_thread():
-                raise WouldDeadlock(
-                    "a blocking publisher call was made from its own loop thread "
-                    "(a future callback?); call it from another thread"
-                )
+                self._refuse_loop_thread("a blocking publisher call")
             if self._state is PublisherState.OPEN and not runtime.dead:
                 return runtime
         with self._lock:
@@ -498,7 +423,7 @@ class BlockingPublisher:
             self._state = PublisherState.OPEN
             return runtime
 
-    def _start_runtime(self) -> _Runtime:
+    def _start_runtime(self) -> Runtime:
         thread = LoopThread(f"reliable_mq.sync:{self.connection_name}")
         thread.start()
         settings = self._connection
@@ -513,7 +438,7 @@ class BlockingPublisher:
         except BaseException:
             thread.stop(timeout=5.0)
             raise
-        return _Runtime(thread, publisher, self._max_pending)
+        return Runtime(thread, publisher, self._max_pending)
 
     async def _open(self) -> ReliablePublisher:
         publisher = ReliablePublisher(
@@ -534,49 +459,49 @@ class BlockingPublisher:
 
         Called by the fork hook (and by a pid check, as a fallback). The
         parent's objects are kept referenced, never used: closing them here
-        would run finalizers against a loop whose thread is gone.
+        would run finalizers against a loop whose thread is gone. New message
+        ids get a new random prefix, so parent and child never share one.
         """
-        self._lock = threading.Lock()
-        self._idle = threading.Condition()
-        self._closed = threading.Event()
-        self._closing = False
-        self._outstanding = 0
         if self._runtime is not None:
             _process.orphan(self._runtime)
             self._runtime = None
         if self._state is PublisherState.OPEN:
             self._state = PublisherState.IDLE
-        pid = os.getpid()
+        self._new_process_state()
         base = self._connection.connection_name.split(".fork", 1)[0][:180]
         self._connection = self._connection.model_copy(
-            update={"connection_name": f"{base}.fork{pid}"}
+            update={"connection_name": f"{base}.fork{self._pid}"}
         )
-        self._pid = pid
 
     def _close_at_exit(self) -> None:
-        """The ``atexit`` hook's part: close if running in this process, bounded."""
+        """The ``atexit`` hook's part: close if open in this process, bounded."""
         if self._pid != os.getpid() or self._state is not PublisherState.OPEN:
             return
         self.close(timeout=self._exit_timeout)
 
 
-async def _close_runtime(runtime: _Runtime, wait: float) -> None:
-    runtime.drain()  # messages handed over before close() are still published
-    await asyncio.sleep(0)  # their tasks take a window slot before the publisher closes
-    await runtime.publisher.close(wait)
+def _no_outcome(message_id: str) -> PublishTimeout:
+    return PublishTimeout(
+        "no outcome from the publisher's loop thread in time; the broker may have it",
+        message_id=message_id,
+        attempts=0,
+    )
+
+
+def _aborted() -> ReliableMQError:
+    return PublishAborted("the publisher's loop thread ended", message_id="", attempts=0)
 
 
 def _wait(
     future: concurrent.futures.Future[_T],
     limit: float | None,
-    message_id: str,
-    *,
-    runtime: _Runtime | None = None,
+    runtime: Runtime,
+    late: Callable[[], ReliableMQError],
 ) -> _T:
     """Wait for a future filled by the loop thread, never forever.
 
-    ``limit`` bounds the wait (a safety net past the message's own deadline);
-    with ``runtime``, the wait also ends if the loop thread dies.
+    The wait ends with ``late()`` raised after ``limit`` seconds, or if the
+    loop thread dies.
     """
     waited = 0.0
     while True:
@@ -584,21 +509,12 @@ def _wait(
         try:
             return future.result(timeout=step)
         except concurrent.futures.TimeoutError:
-            if future.done():  # a TimeoutError of the publish itself (PublishTimeout)
+            if future.done():  # a TimeoutError of the call itself (PublishTimeout)
                 return future.result()
         waited += step
-        if runtime is not None and not runtime.thread.alive:
+        if not runtime.thread.alive or (limit is not None and waited >= limit):
             future.cancel()
-            raise PublishAborted(
-                "the publisher's loop thread ended", message_id=message_id, attempts=0
-            )
-        if limit is not None and waited >= limit:
-            future.cancel()
-            raise PublishTimeout(
-                "no outcome from the publisher's loop thread in time; the broker may have it",
-                message_id=message_id,
-                attempts=0,
-            )
+            raise late() from None
 
 
 def _is_number(value: object) -> bool:

@@ -23,15 +23,18 @@ def main() -> None:
     url, queue, name = sys.argv[1:4]
     publisher = BlockingPublisher(ConnectionSettings(url=url, connection_name=name))
     publisher.publish(b"parent", routing_key=queue, message_id="parent-before")
-    report(stage="parent-connected", connection=publisher.connection_name)
+    auto = publisher.publish(b"parent", routing_key=queue).message_id
+    report(stage="parent-connected", connection=publisher.connection_name, auto_id=auto)
     sys.stdin.readline()  # the test lists the broker's connections first
     pid = os.fork()
     if pid == 0:
         try:
             result = publisher.publish(b"child", routing_key=queue, message_id="child")
+            auto = publisher.publish(b"child", routing_key=queue).message_id
             report(
                 stage="child-published",
                 connection=publisher.connection_name,
+                auto_id=auto,
                 attempts=result.attempts,
                 generation=publisher.stats().channel_generation,
             )
