@@ -44,7 +44,7 @@ class HttpServer:
 
     Args:
         host: the address to listen on ("0.0.0.0" for every IPv4 interface).
-        port: the TCP port; 0 picks a free one (see :attr:`port`).
+        port: the TCP port; 0 picks a free one (see `port`).
         routes: exact paths; a query string is ignored.
     """
 

@@ -31,8 +31,8 @@ MAX_CHUNKS = 8
 class ChunkFeed(Generic[_T]):
     """One producer thread, one async consumer on ``loop``.
 
-    The producer calls :meth:`produce` (it blocks while the feed is full), the
-    consumer iterates :meth:`items`. Either side may stop early: the
+    The producer calls `produce` (it blocks while the feed is full), the
+    consumer iterates `items`. Either side may stop early: the
     producer stops taking items once the consumer is gone.
     """
 
@@ -52,7 +52,7 @@ class ChunkFeed(Generic[_T]):
         """Hand every item over, until the consumer stops or ``alive()`` turns false.
 
         Errors from iterating ``items`` propagate (the items before are still
-        handed over); call :meth:`finish` afterwards in every case.
+        handed over); call `finish` afterwards in every case.
         """
         chunk: list[_T] = []
         born = 0.0

@@ -21,7 +21,7 @@ _T = TypeVar("_T")
 
 
 class LoopThread:
-    """Runs one event loop forever in a daemon thread until :meth:`stop`.
+    """Runs one event loop forever in a daemon thread until `stop`.
 
     Args:
         name: the thread's name (shown by debuggers and ``py-spy``).

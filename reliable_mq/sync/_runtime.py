@@ -4,7 +4,7 @@ Callers append submissions to a deque from any thread; the loop is woken once
 per batch of appends (``scheduled`` is cleared before the queue is emptied, so
 no append is missed) and starts one publish per message. Each outcome goes to
 the submission's *sink*: a ``concurrent.futures.Future`` for ``submit()``, or
-a :class:`Waiter` (a bare lock, cheaper) for a blocking ``publish()``.
+a `Waiter` (a bare lock, cheaper) for a blocking ``publish()``.
 """
 
 from __future__ import annotations
