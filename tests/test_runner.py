@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,8 @@ from typing import Any
 import aio_pika
 import pytest
 
-from reliable_mq import ConnectionSettings, Message, QueueTopology
+from reliable_mq import ConnectionSettings, InvalidSettings, Message, QueueTopology
+from reliable_mq.runner import RunnerOptions
 from reliable_mq.sync import BlockingPublisher
 from reliable_mq.topology import delete_topology
 from tests.support.amqp import drain_queue_sync, run_sync
@@ -180,6 +182,40 @@ class TestTargets:
         assert message in run.stderr
 
 
+class TestOptions:
+    @pytest.mark.parametrize(
+        "fields",
+        [
+            {"workers": 0},
+            {"workers": 2.0},
+            {"metrics_port": 70000},
+            {"graceful_timeout": float("nan")},
+            {"graceful_timeout": 0},
+        ],
+    )
+    def test_out_of_range_options_are_refused(self, fields: dict[str, Any]) -> None:
+        with pytest.raises(InvalidSettings, match=next(iter(fields))):
+            RunnerOptions(target=f"{TARGET}:consumer", **fields)
+
+    def test_a_port_in_use_exits_2_before_any_worker_starts(self, tmp_path: Path) -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            command = [sys.executable, "-m", "reliable_mq.cli", "run", f"{TARGET}:consumer"]
+            run = subprocess.run(
+                [*command, "--metrics-port", str(port)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+        assert run.returncode == 2, run.stderr
+        assert "cannot listen" in run.stderr
+        assert "worker_spawned" not in run.stdout
+
+
 class TestWorkers:
     def test_sigterm_drains_every_worker(
         self, start_runner: Callable[..., Runner], broker_url: str, rqueue: str, tmp_path: Path
@@ -266,8 +302,6 @@ class TestHttp:
     def test_unknown_paths_methods_and_garbage(
         self, start_runner: Callable[..., Runner], rqueue: str
     ) -> None:
-        import socket
-
         runner = start_runner(f"{TARGET}:consumer", "--metrics-port", "0", RUNNER_TEST_QUEUE=rqueue)
         port = runner.wait_port()
         assert runner.get("/nope") is not None and runner.get("/nope")[0] == 404  # type: ignore[index]

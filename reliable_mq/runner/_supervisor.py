@@ -20,6 +20,7 @@ import contextlib
 import enum
 import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -32,6 +33,7 @@ from pathlib import Path
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from ..errors import InvalidSettings
 from ..log import get_logger
 from ._http import HttpServer, Response
 
@@ -63,7 +65,11 @@ class WorkerState(enum.StrEnum):
 
 @dataclass
 class RunnerOptions:
-    """What ``reliable-mq run`` was asked to do."""
+    """What ``reliable-mq run`` was asked to do.
+
+    Raises:
+        InvalidSettings: a field is out of range (named in the message).
+    """
 
     target: str
     workers: int = 1
@@ -73,6 +79,19 @@ class RunnerOptions:
     log_json: bool = True
     log_level: str = "INFO"
     app_dir: str = "."
+
+    def __post_init__(self) -> None:
+        problems: list[tuple[str, str]] = []
+        if type(self.workers) is not int or not 1 <= self.workers <= 1024:
+            problems.append(("workers", "must be an int from 1 to 1024"))
+        port = self.metrics_port
+        if port is not None and (type(port) is not int or not 0 <= port <= 65535):
+            problems.append(("metrics_port", "must be None or an int from 0 to 65535"))
+        timeout = self.graceful_timeout
+        if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            problems.append(("graceful_timeout", "must be a finite number of seconds above 0"))
+        if problems:
+            raise InvalidSettings("RunnerOptions", problems)
 
 
 @dataclass
