@@ -196,6 +196,7 @@ class ConnectionSupervisor:
             assert connection is not None
             underlay = connection.transport.connection if connection.transport else None
             reason = "closed"
+            broker_closed = False
             if underlay is not None and not underlay.is_closed:
                 # Wait without awaiting the future itself: aiormq *cancels* it when
                 # it drops a connection for missed heartbeats (a silent link), and
@@ -211,6 +212,8 @@ class ConnectionSupervisor:
                     reason = "aborted (no frames within the heartbeat grace: link stuck)"
                 elif (exc := closing.exception()) is not None:
                     reason = _describe(exc)
+                    fault = classify(exc)
+                    broker_closed = fault is not None and fault.broker_initiated
             if self._closed():
                 return
             self._connection = None
@@ -218,17 +221,19 @@ class ConnectionSupervisor:
             self._connected.clear()
             self._metrics_up.set(0)
             lived = asyncio.get_running_loop().time() - self.connected_at
-            self._short_lives = self._short_lives + 1 if lived < _SHORT_LIFE else 0
+            young = broker_closed and lived < _SHORT_LIFE
+            self._short_lives = self._short_lives + 1 if young else 0
             self._log.warning(
                 "connection_lost", broker=self._current_address().redacted, reason=reason
             )
             await self._reconnect()
 
     def first_reconnect_delay(self) -> float:
-        """0 after a connection that lived a while; growing after each that died young.
+        """0, unless the broker itself closed one connection after another young.
 
-        A broker that keeps closing new connections (a refusal, a resource
-        alarm, a flapping proxy) must not be answered with a reconnect storm.
+        A broker that keeps closing new connections (a refused frame, a forced
+        close, an alarm) must not be answered with a reconnect storm; a network
+        cut is not the broker's doing and is answered at once.
         """
         if not self._short_lives:
             return 0.0
