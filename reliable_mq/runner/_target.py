@@ -19,8 +19,8 @@ def load_consumer(path: str) -> ReliableConsumer:
     """Import ``module:attribute`` and return a consumer with at least one handler.
 
     The attribute (dots allowed, ``module:app.consumer``) is a
-    [ReliableConsumer][reliable_mq.ReliableConsumer], or a
-    [Router][reliable_mq.Router]: then a consumer is built from the
+    [ReliableConsumer][reliable_mq.consumer.ReliableConsumer], or a
+    [Router][reliable_mq.handlers.Router]: then a consumer is built from the
     ``RELIABLE_MQ_*`` environment variables and the router's handlers.
 
     Raises:

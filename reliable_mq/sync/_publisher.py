@@ -1,7 +1,7 @@
 """BlockingPublisher: the reliable publisher for threads, over the async one.
 
 One daemon thread per process runs an event loop that owns a
-[ReliablePublisher][reliable_mq.ReliablePublisher]; every call is a
+[ReliablePublisher][reliable_mq.publisher.ReliablePublisher]; every call is a
 message handed to that loop (see `_runtime`). There is no second
 implementation: confirms, republishing, deadlines and errors are the async
 publisher's.
@@ -61,7 +61,7 @@ class BlockingPublisher:
     Thread-safe: any number of threads may share one. The first call (or
     ``start()``) connects; ``publish()`` blocks until the broker confirms and
     raises the same errors as
-    [ReliablePublisher.publish][reliable_mq.ReliablePublisher.publish]::
+    [ReliablePublisher.publish][reliable_mq.publisher.ReliablePublisher.publish]::
 
         with BlockingPublisher("amqp://guest:guest@127.0.0.1/") as publisher:
             result = publisher.publish({"order": 1}, routing_key="orders")
@@ -74,7 +74,7 @@ class BlockingPublisher:
 
     Args:
         connection: an AMQP URL (several, comma separated, fail over), or
-            [ConnectionSettings][reliable_mq.ConnectionSettings]; default:
+            [ConnectionSettings][reliable_mq.settings.ConnectionSettings]; default:
             from ``RELIABLE_MQ_*`` variables.
         settings: window, deadlines and retry policy; default: from
             ``RELIABLE_MQ_PUBLISHER_*`` variables.
@@ -245,7 +245,7 @@ class BlockingPublisher:
         """Publish one message and return once the broker has confirmed it.
 
         Arguments and errors are those of
-        [ReliablePublisher.publish][reliable_mq.ReliablePublisher.publish]; in
+        [ReliablePublisher.publish][reliable_mq.publisher.ReliablePublisher.publish]; in
         addition:
 
         Raises:
@@ -324,7 +324,7 @@ class BlockingPublisher:
         ``messages`` is iterated in the calling thread and handed to the loop
         in chunks, so memory stays flat for any length and a generator may do
         I/O. Per message it behaves as
-        [ReliablePublisher.publish_many][reliable_mq.ReliablePublisher.publish_many]:
+        [ReliablePublisher.publish_many][reliable_mq.publisher.ReliablePublisher.publish_many]:
         a message that cannot be encoded, or ends in a publish error, is
         recorded as a failure and the others go on.
 
