@@ -171,6 +171,15 @@ class TestPublishMany:
         assert isinstance(result.failures[0].error, InvalidMessage)
         assert _ids(broker_url, squeue) == [*(f"i-{i}" for i in range(5)), "i-6"]
 
+    def test_max_failures_stops_taking_messages(self, publisher: BlockingPublisher) -> None:
+        """The stream stops early, the caller learns where; an empty stream is fine too."""
+        nowhere = f"nowhere-{uuid.uuid4().hex}"
+        messages = (Message(b"m", routing_key=nowhere) for _ in range(100_000))
+        result = publisher.publish_many(messages, max_failures=5, raise_on_error=False)
+        assert result.stopped_early and len(result.failures) >= 5
+        assert result.taken < 100_000 and result.confirmed == 0
+        assert publisher.publish_many([]).taken == 0
+
     def test_an_error_from_the_iterable_is_raised_after_the_rest(
         self, publisher: BlockingPublisher, broker_url: str, squeue: str
     ) -> None:

@@ -329,7 +329,10 @@ class BlockingPublisher:
         recorded as a failure and the others go on.
 
         If iterating ``messages`` raises, the messages taken before are still
-        published and confirmed, then that exception is raised.
+        published and confirmed, then that exception is raised. When
+        ``max_failures`` stops the batch, up to a few thousand messages past
+        ``result.taken`` may have been read from ``messages`` (they were in
+        transit) without being published: resume from ``result.taken``.
 
         Args:
             messages: an iterable of ``Message``.
