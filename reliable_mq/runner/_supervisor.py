@@ -197,13 +197,19 @@ class Supervisor:
     async def _keep(self, slot: _Slot) -> None:
         """Start the slot's worker; restart it with backoff until stopping."""
         while not self._stopping.is_set():
-            await self._spawn(slot)
-            if self._stopping.is_set():  # the drain may have signalled before we spawned
-                slot.state = WorkerState.STOPPING
-                self._send_all(signal.SIGTERM)
-            code = await self._watch(slot)
-            slot.last_exit = code
-            self._forget_worker_gauges(slot.pid)
+            try:
+                await self._spawn(slot)
+            except OSError as exc:  # out of processes or descriptors: try again later
+                slot.process, slot.started_at = None, time.monotonic()
+                code = None
+                self._log.error("worker_spawn_failed", worker=slot.index, error=repr(exc))
+            else:
+                if self._stopping.is_set():  # the drain may have signalled before we spawned
+                    slot.state = WorkerState.STOPPING
+                    self._send_all(signal.SIGTERM)
+                code = await self._watch(slot)
+                slot.last_exit = code
+                self._forget_worker_gauges(slot.pid)
             if self._stopping.is_set():
                 break
             ran = time.monotonic() - slot.started_at
@@ -243,6 +249,9 @@ class Supervisor:
                 env=self._worker_env(),
                 stdin=asyncio.subprocess.DEVNULL,
             )
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
             os.close(write_fd)
         slot.state = WorkerState.STARTING
