@@ -296,6 +296,7 @@ class TestLifeCycle:
         publisher.close()
         publisher.close()  # twice is fine
         assert publisher.state is PublisherState.CLOSED
+        assert publisher.stats().confirmed == 1  # the counters outlive the connection
         with pytest.raises(ClosedError):
             publisher.publish(b"x", routing_key=squeue)
         with pytest.raises(ClosedError):

@@ -123,6 +123,7 @@ class BlockingPublisher:
         self._log = get_logger(__name__)
         self._state = PublisherState.IDLE
         self._runtime: Runtime | None = None
+        self._last_runtime: Runtime | None = None
         self._new_process_state()
         _process.track(self)
 
@@ -185,6 +186,7 @@ class BlockingPublisher:
         with self._lock:
             self._forget_parent_if_forked()
             runtime, self._runtime = self._runtime, None
+            self._last_runtime = runtime or self._last_runtime
             if self._state is not PublisherState.CLOSED:
                 self._state = PublisherState.CLOSING
             closed = self._closed
@@ -377,8 +379,8 @@ class BlockingPublisher:
         return _wait(outcome, None, runtime, _aborted)
 
     def stats(self) -> PublisherStats:
-        """The async publisher's counters (zeros before the first connection)."""
-        runtime = self._runtime
+        """The async publisher's counters (zeros before the first connection; kept after close)."""
+        runtime = self._runtime or self._last_runtime
         if runtime is None:
             return PublisherStats(0, 0, 0, 0, 0, 0, 0, 0, 0)
         return runtime.publisher.stats()
@@ -468,6 +470,7 @@ class BlockingPublisher:
         if self._runtime is not None:
             _process.orphan(self._runtime)
             self._runtime = None
+        self._last_runtime = None  # the parent's counters are not this process's
         if self._state is PublisherState.OPEN:
             self._state = PublisherState.IDLE
         self._new_process_state()
