@@ -61,10 +61,12 @@ class BlockingPublisher:
     Thread-safe: any number of threads may share one. The first call (or
     ``start()``) connects; ``publish()`` blocks until the broker confirms and
     raises the same errors as
-    [ReliablePublisher.publish][reliable_mq.publisher.ReliablePublisher.publish]::
+    [ReliablePublisher.publish][reliable_mq.publisher.ReliablePublisher.publish]:
 
-        with BlockingPublisher("amqp://guest:guest@127.0.0.1/") as publisher:
-            result = publisher.publish({"order": 1}, routing_key="orders")
+    ```python
+    with BlockingPublisher("amqp://guest:guest@127.0.0.1/") as publisher:
+        result = publisher.publish({"order": 1}, routing_key="orders")
+    ```
 
     After ``os.fork()`` (a pre-forking server such as gunicorn ``--preload``)
     the child opens its own loop thread and connection on first use, named
