@@ -9,12 +9,14 @@ database's clock as the one clock).
 Exactly-once effects: when the handler writes its effect into the same
 database, [run_once][reliable_mq.dedup.postgres.PostgresDedupStore.run_once]
 commits the effect and the *done* mark in one transaction, so a consumer
-killed after the commit but before its ack cannot apply it twice::
+killed after the commit but before its ack cannot apply it twice:
 
-    async def credit(conn: psycopg.AsyncConnection) -> None:
-        await conn.execute("UPDATE account SET balance = balance + 10 WHERE id = 1")
+```python
+async def credit(conn: psycopg.AsyncConnection) -> None:
+    await conn.execute("UPDATE account SET balance = balance + 10 WHERE id = 1")
 
-    await store.run_once(delivery.message_id, credit)  # AlreadyProcessed: ack and skip
+await store.run_once(delivery.message_id, credit)  # AlreadyProcessed: ack and skip
+```
 
 Install with ``pip install 'reliable-mq[postgres]'``.
 """

@@ -1,10 +1,12 @@
 """The transactional outbox: events committed with your data, published with confirms.
 
-Write the event in the same transaction as the business change::
+Write the event in the same transaction as the business change:
 
-    async with session.begin():
-        session.add(Order(id=42, total=99))
-        await outbox.add(session, {"order_id": 42}, routing_key="orders", ordering_key="42")
+```python
+async with session.begin():
+    session.add(Order(id=42, total=99))
+    await outbox.add(session, {"order_id": 42}, routing_key="orders", ordering_key="42")
+```
 
 and run a relay (``reliable-mq outbox relay --dsn ... --url ...`` or
 [OutboxRelay][reliable_mq.outbox.OutboxRelay]) that publishes committed rows

@@ -81,7 +81,7 @@ class Backend(Protocol):
     """One relay's connection(s) to the outbox table.
 
     Every method raises ``OutboxUnavailable`` when the database cannot be
-    used; the relay then calls :meth:`reset` and tries again later.
+    used; the relay then calls `reset()` and tries again later.
     """
 
     async def open(self) -> None:
@@ -97,7 +97,7 @@ class Backend(Protocol):
         ...
 
     async def claim(self, limit: int) -> list[OutboxRow]:
-        """Claim up to ``limit`` rows; the batch stays open until :meth:`finish` or :meth:`abandon`."""
+        """Claim up to ``limit`` rows; the batch stays open until `finish()` or `abandon()`."""
         ...
 
     async def finish(self, results: list[RowResult]) -> None:

@@ -31,7 +31,6 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from ..errors import (
-    ClosedError,
     InvalidMessage,
     MessageTooLarge,
     PublishError,
@@ -40,8 +39,8 @@ from ..errors import (
     ReliableMQError,
 )
 from ..log import get_logger
+from ..message import Message
 from ..metrics import Metrics
-from ..outcomes import PendingPublish
 from ..publisher import ReliablePublisher
 from ..settings import ConnectionSettings, PublisherSettings, _Settings
 from ._backend import Backend, OutboxRow, RowOutcome, RowResult
@@ -122,10 +121,12 @@ class OutboxRelay:
 
     Use it as an async context manager and call [run][reliable_mq.outbox.OutboxRelay.run]
     (until [stop][reliable_mq.outbox.OutboxRelay.stop]), or call
-    [run_once][reliable_mq.outbox.OutboxRelay.run_once] for one batch::
+    [run_once][reliable_mq.outbox.OutboxRelay.run_once] for one batch:
 
-        async with OutboxRelay("postgresql://app@db/shop", "amqp://guest:guest@mq/") as relay:
-            await relay.run()
+    ```python
+    async with OutboxRelay("postgresql://app@db/shop", "amqp://guest:guest@mq/") as relay:
+        await relay.run()
+    ```
 
     Args:
         database: a PostgreSQL DSN (``postgresql://...`` or ``host=... dbname=...``),
@@ -372,43 +373,33 @@ class OutboxRelay:
     async def _publish_rows(self, rows: list[OutboxRow]) -> list[RowResult]:
         """Publish a batch and wait for every outcome: the one place that talks to the publisher.
 
-        Every row is put in flight first (the window is the backpressure),
-        then each outcome is collected, so a batch costs one confirm round trip.
+        One ``publish_many()``: the rows stream through the confirm window and a
+        batch costs about one confirm round trip; each failure comes back with
+        its row's index.
         """
-        publisher = self._publisher
-        timeout = self.settings.publish_timeout
-        in_flight: list[tuple[OutboxRow, PendingPublish | RowResult]] = []
-        for row in rows:
-            props = row.properties
-            try:
-                pending: PendingPublish | RowResult = await publisher.enqueue(
-                    row.body,
-                    routing_key=row.routing_key,
-                    exchange=row.exchange,
-                    timeout=timeout,
-                    message_id=row.message_id,
-                    headers=_headers(props),
-                    content_type=_text_or_none(props.get("content_type")),
-                    correlation_id=_text_or_none(props.get("correlation_id")),
-                    message_type=_text_or_none(props.get("message_type")),
-                )
-            except ClosedError:
-                raise
-            except ReliableMQError as exc:
-                pending = self._failed(row, exc)
-            in_flight.append((row, pending))
-        results: list[RowResult] = []
-        for row, pending in in_flight:
-            if isinstance(pending, RowResult):
-                results.append(pending)
-                continue
-            try:
-                await pending
-            except ReliableMQError as exc:
-                results.append(self._failed(row, exc))
-            else:
-                results.append(RowResult(row, RowOutcome.CONFIRMED))
-        return results
+        messages = [
+            Message(
+                row.body,
+                routing_key=row.routing_key,
+                exchange=row.exchange,
+                message_id=row.message_id,
+                headers=_headers(row.properties),
+                content_type=_text_or_none(row.properties.get("content_type")),
+                correlation_id=_text_or_none(row.properties.get("correlation_id")),
+                message_type=_text_or_none(row.properties.get("message_type")),
+            )
+            for row in rows
+        ]
+        result = await self._publisher.publish_many(
+            messages, timeout=self.settings.publish_timeout, raise_on_error=False
+        )
+        failed = {failure.index: failure.error for failure in result.failures}
+        return [
+            self._failed(row, failed[index])
+            if index in failed
+            else RowResult(row, RowOutcome.CONFIRMED)
+            for index, row in enumerate(rows)
+        ]
 
     def _failed(self, row: OutboxRow, exc: ReliableMQError) -> RowResult:
         reason = _printable(f"{type(exc).__name__}: {error_text(exc)}")[:_MAX_REASON]

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aio_pika
 import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
@@ -188,7 +189,7 @@ async def test_consumer_with_the_inbox_applies_each_payment_once(
     store = PostgresDedupStore(pg.dsn, table=f"inbox_{uuid.uuid4().hex[:8]}")
     consumer = ReliableConsumer(broker_url, dedup=store, registry=CollectorRegistry())
 
-    @consumer.handler(queue, declare=False)
+    @consumer.handler(queue)  # adopts the plain queue, declares its retry queues and DLQ
     async def pay(body: dict[str, Any], delivery: Delivery) -> None:
         async def credit(conn: psycopg.AsyncConnection[Any]) -> None:
             await conn.execute(f"INSERT INTO {ledger} VALUES (%s, 1)", (delivery.message_id,))
@@ -209,4 +210,9 @@ async def test_consumer_with_the_inbox_applies_each_payment_once(
             assert consumer.stats().duplicates == 20
     finally:
         await store.close()
+        connection = await aio_pika.connect(broker_url)
+        async with connection:
+            channel = await connection.channel()
+            for side in consumer.topology(queue).all_queues[1:]:
+                await channel.queue_delete(side)
     assert await entries(pg.dsn, ledger) == sorted(f"pay{n}" for n in range(20))
