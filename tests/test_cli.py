@@ -598,3 +598,28 @@ class TestEdges:
                 channel = await connection.channel()
                 for name in topology.side_queues:
                     await channel.queue_delete(name)
+
+
+class TestEventLoop:
+    def test_uvloop_is_used_when_installed(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The CLI picks uvloop's loop if it is importable, and asyncio's on request."""
+        import uvloop
+
+        from reliable_mq.cli import loop_factory
+
+        assert loop_factory() is uvloop.new_event_loop
+        monkeypatch.setenv("RELIABLE_MQ_NO_UVLOOP", "1")
+        assert loop_factory() is None
+
+    async def test_a_command_runs_on_uvloop(self, broker_url: str, queue: str) -> None:
+        """A real publish through the CLI runs on uvloop and confirms every line."""
+        run = await cli(
+            "publish", "-k", queue, "--log-json", "--log-level", "DEBUG",
+            stdin=b"a\nb\n", url=broker_url,
+        )  # fmt: skip
+        assert run.code == 0, run.stderr
+        events = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
+        assert {"event": "event_loop", "loop": "uvloop"}.items() <= next(
+            e for e in events if e.get("event") == "event_loop"
+        ).items()
+        assert len(await drain_queue(broker_url, queue)) == 2

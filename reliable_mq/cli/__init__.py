@@ -26,6 +26,7 @@ from typing import Any
 from .. import __version__
 from .._amqp_faults import AMQP_ERRORS, classify
 from ..errors import BrokerUnavailable, InvalidSettings
+from ..log import get_logger
 from ._common import (
     EXIT_BROKEN_PIPE,
     EXIT_FAILED,
@@ -122,6 +123,21 @@ def _quiet_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (the ``fast`` extra), else asyncio's.
+
+    ``RELIABLE_MQ_NO_UVLOOP=1`` keeps asyncio's loop.
+    """
+    if os.environ.get("RELIABLE_MQ_NO_UVLOOP"):
+        return None
+    try:
+        import uvloop  # noqa: PLC0415 - optional, and only the CLI picks a loop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (see the module docstring)."""
     parser = build_parser()
@@ -132,7 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = getattr(args, "url", None)
     try:
         run: Callable[[argparse.Namespace], Coroutine[Any, Any, int]] = args.run
-        return asyncio.run(run(args))
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            loop = runner.get_loop()
+            get_logger(__name__).debug("event_loop", loop=type(loop).__module__.split(".")[0])
+            return runner.run(run(args))
     except BrokenPipeError:
         _quiet_stdout()  # the reader went away (`| head`): nothing to report
         return EXIT_BROKEN_PIPE
