@@ -11,6 +11,7 @@ from .errors import (
     InvalidBody,
     InvalidMessage,
     InvalidSettings,
+    InvalidTarget,
     MessageTooLarge,
     PublishAborted,
     PublishBatchError,
@@ -22,6 +23,7 @@ from .errors import (
     PublishUnavailable,
     PublishUnroutable,
     ReliableMQError,
+    WouldDeadlock,
 )
 from .handlers import AckPolicy, Reject, Retry, Router
 from .log import configure_logging
@@ -42,6 +44,7 @@ from .settings import (
     TLSSettings,
     redact_url,
 )
+from .sync import BlockingPublisher
 from .topology import QueueTopology, QueueType, declare_topology
 
 __version__ = "0.1.0"
@@ -50,6 +53,7 @@ __all__ = (
     "AckPolicy",
     "BatchFailure",
     "BatchResult",
+    "BlockingPublisher",
     "BrokerUnavailable",
     "ClosedError",
     "ConnectionSettings",
@@ -62,6 +66,7 @@ __all__ = (
     "InvalidBody",
     "InvalidMessage",
     "InvalidSettings",
+    "InvalidTarget",
     "Message",
     "MessageOptions",
     "MessageTooLarge",
@@ -89,6 +94,7 @@ __all__ = (
     "Retry",
     "Router",
     "TLSSettings",
+    "WouldDeadlock",
     "__version__",
     "configure_logging",
     "declare_topology",

@@ -22,7 +22,9 @@ ReliableMQError
 │   │   └── PublishAborted                        close() ran out of time before its confirm
 │   └── PublishUnavailable (also BrokerUnavailable) no connection for unavailable_timeout
 ├── PublishBatchError                             publish_many(): some messages failed
-└── ConsumerError                                 consumer-side failures (see consumer docs)
+├── ConsumerError                                 consumer-side failures (see consumer docs)
+├── WouldDeadlock              (also RuntimeError) a blocking call from the thread that must serve it
+└── InvalidTarget              (also ValueError)   `reliable-mq run`: the import path is not a consumer
 ```
 """
 
@@ -39,6 +41,7 @@ __all__ = (
     "InvalidBody",
     "InvalidMessage",
     "InvalidSettings",
+    "InvalidTarget",
     "MessageTooLarge",
     "PublishAborted",
     "PublishBatchError",
@@ -50,6 +53,7 @@ __all__ = (
     "PublishUnavailable",
     "PublishUnroutable",
     "ReliableMQError",
+    "WouldDeadlock",
 )
 
 
@@ -226,3 +230,19 @@ class PublishBatchError(ReliableMQError):
     def __init__(self, message: str, result: Any) -> None:
         self.result = result
         super().__init__(message)
+
+
+class WouldDeadlock(ReliableMQError, RuntimeError):
+    """A blocking call was made from the thread that would have to serve it.
+
+    Raised by [BlockingPublisher][reliable_mq.sync.BlockingPublisher] when it is
+    called from its own event-loop thread (for example inside a callback of a
+    future it returned): waiting there would wait forever.
+    """
+
+
+class InvalidTarget(ReliableMQError, ValueError):
+    """``reliable-mq run``: the import path does not name a consumer or router.
+
+    The message names the path and what was found instead.
+    """

@@ -44,6 +44,7 @@ from ._consume import add_consume_arguments, run_consume
 from ._dlq import add_dlq_arguments, run_dlq
 from ._outbox import add_outbox_arguments, run_outbox
 from ._publish import add_bench_arguments, add_publish_arguments, run_bench, run_publish
+from ._run import add_run_arguments, run_run
 from ._topology import add_topology_arguments, run_topology
 
 __all__ = ("COMMANDS", "Command", "build_parser", "main")
@@ -80,6 +81,13 @@ COMMANDS: tuple[Command, ...] = (
         "transactional outbox: create the table, run the relay, inspect and requeue dead rows",
         add_outbox_arguments,
         run_outbox,
+        common=False,
+    ),
+    Command(
+        "run",
+        "run a consumer as supervised worker processes, with probes and metrics",
+        add_run_arguments,
+        run_run,
         common=False,
     ),
 )

@@ -1,0 +1,43 @@
+"""Targets for tests/test_runner.py, configured by environment variables.
+
+``RUNNER_TEST_QUEUE``: the queue; ``RUNNER_TEST_OUT``: a folder where each
+handled message id is appended to ``<pid>.log`` before the handler returns
+(so before its ack); ``RUNNER_TEST_SLEEP``: seconds each handler takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from reliable_mq import ConsumerSettings, Delivery, ReliableConsumer, Router
+
+QUEUE = os.environ.get("RUNNER_TEST_QUEUE", "runner-test")
+OUT = os.environ.get("RUNNER_TEST_OUT", "")
+SLEEP = float(os.environ.get("RUNNER_TEST_SLEEP", "0"))
+
+router = Router()
+
+
+@router.handler(QUEUE)
+async def handle(body: bytes, delivery: Delivery) -> None:
+    await asyncio.sleep(SLEEP)
+    if OUT:
+        line = f"{delivery.message_id}\n".encode()
+        fd = os.open(
+            os.path.join(OUT, f"{os.getpid()}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        )
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+consumer = ReliableConsumer(
+    settings=ConsumerSettings(prefetch=20, concurrency=4, shutdown_grace=20),
+    dedup=None,
+)
+consumer.include_router(router)
+
+not_a_consumer = 42
+empty_router = Router()
