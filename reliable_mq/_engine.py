@@ -560,16 +560,15 @@ class Engine:
         if batch is not None:
             batch.succeeded()
         else:
+            result = PublishResult(
+                out.message_id, out.attempts, now - out.sent_at, time.monotonic() - out.started
+            )
             future = out.future
-            if future is not None and not future.done():
-                future.set_result(
-                    PublishResult(
-                        out.message_id,
-                        out.attempts,
-                        now - out.sent_at,
-                        time.monotonic() - out.started,
-                    )
-                )
+            if future is not None:
+                if not future.done():
+                    future.set_result(result)
+            elif out.callback is not None:
+                out.callback(result, None)
         self._release(out)
         if not self.outstanding:
             self._went_idle()
@@ -594,10 +593,11 @@ class Engine:
         batch = out.batch
         if batch is not None:
             batch.failed(out.index, out.message_id, error)
-        else:
-            future = out.future
-            if future is not None and not future.done():
-                future.set_exception(error)
+        elif out.future is not None:
+            if not out.future.done():
+                out.future.set_exception(error)
+        elif out.callback is not None:
+            out.callback(None, error)
         if out.tag == 0:
             self._release(out)
         if not self.outstanding:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._codec import encode_body
 from ._wire import FRAME_OVERHEAD, Encoded, check_timeout, encode_properties, encode_publish
-from .errors import InvalidBody, InvalidMessage, MessageTooLarge
+from .errors import InvalidBody, InvalidMessage, MessageTooLarge, ReliableMQError
 from .message import MessageOptions
 from .settings import PublisherSettings
 
@@ -46,6 +46,7 @@ class Outgoing:
     __slots__ = (
         "attempts",
         "batch",
+        "callback",
         "deadline",
         "encoded",
         "exchange",
@@ -107,6 +108,8 @@ class Outgoing:
         self.finished = False
         self.future: asyncio.Future[Any] | None = None
         self.batch: Batch | None = None
+        self.callback: Callable[[Any, ReliableMQError | None], None] | None = None
+        """Called once with ``(result, None)`` or ``(None, error)`` (the blocking publisher's sink)."""
         self.index = 0
         self.followers: list[asyncio.Future[None]] | None = None
 

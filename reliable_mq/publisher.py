@@ -29,7 +29,7 @@ import asyncio
 import enum
 import secrets
 import time
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -131,6 +131,7 @@ class ReliablePublisher:
         self._in_flight_gauge = self._metrics.in_flight.labels(self._supervisor.name)
         self._labelled: dict[str, ExchangeMetrics] = {}
         self._watchdog: asyncio.Task[None] | None = None
+        self._admitting: set[asyncio.Task[None]] = set()
         self._state = PublisherState.IDLE
         self._seq = 0
         self._published = 0
@@ -213,6 +214,9 @@ class ReliablePublisher:
 
     async def _shutdown(self) -> None:
         self._engine.closed = True
+        for task in list(self._admitting):
+            task.cancel()
+        await asyncio.gather(*self._admitting, return_exceptions=True)
         await self._engine.close()
         await self._engine.stream.close()
         await self._engine.exchanges.close()
@@ -283,6 +287,48 @@ class ReliablePublisher:
         if not self._engine.admit_now(out):
             await self._engine.admit(out)
         return PendingPublish(out.message_id, future)
+
+    def publish_with_callback(
+        self,
+        callback: Callable[[PublishResult | None, ReliableMQError | None], None],
+        body: Any,
+        *,
+        routing_key: str,
+        exchange: str = "",
+        timeout: float | None = None,
+        **options: Unpack[MessageOptions],
+    ) -> None:
+        """Publish without a task or a future: ``callback`` gets the outcome.
+
+        For code that runs the event loop itself, like the
+        [BlockingPublisher][reliable_mq.sync.BlockingPublisher]. Call it on
+        the publisher's loop; ``callback(result, None)`` or ``callback(None,
+        error)`` is then called exactly once, on the loop, possibly before
+        this returns (an invalid message). The errors are those of
+        [publish][reliable_mq.publisher.ReliablePublisher.publish].
+        """
+        try:
+            out = self._prepare(body, routing_key, exchange, timeout, options)
+        except ReliableMQError as exc:
+            callback(None, exc)
+            return
+        out.callback = callback
+        if not self._engine.admit_now(out):
+            task = asyncio.get_running_loop().create_task(self._admit_for_callback(out))
+            self._admitting.add(task)
+            task.add_done_callback(self._admitting.discard)
+
+    async def _admit_for_callback(self, out: Outgoing) -> None:
+        """The slow path of ``publish_with_callback``: wait for a slot or a probe."""
+        callback = out.callback
+        assert callback is not None
+        try:
+            await self._engine.admit(out)
+        except PublishError as exc:  # not admitted: the engine will not call back
+            callback(None, exc)
+        except asyncio.CancelledError:
+            callback(None, self._engine.aborted_error(out))
+            raise
 
     async def publish_many(
         self,

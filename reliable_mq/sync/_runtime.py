@@ -2,7 +2,8 @@
 
 Callers append submissions to a deque from any thread; the loop is woken once
 per batch of appends (``scheduled`` is cleared before the queue is emptied, so
-no append is missed) and starts one publish per message. Each outcome goes to
+no append is missed) and hands each message to ``publish_with_callback`` (no
+task, no future per message). Each outcome goes to
 the submission's *sink*: a ``concurrent.futures.Future`` for ``submit()``, or
 a `Waiter` (a bare lock, cheaper) for a blocking ``publish()``.
 """
@@ -16,7 +17,7 @@ from collections import deque
 from functools import partial
 from typing import Any, Protocol, TypeAlias
 
-from ..errors import ClosedError, PublishAborted
+from ..errors import ClosedError, ReliableMQError
 from ..message import MessageOptions
 from ..outcomes import PublishResult
 from ..publisher import ReliablePublisher
@@ -104,11 +105,10 @@ class Runtime:
                 self.sweep()
 
     def drain(self) -> None:
-        """Loop thread: start every queued message."""
+        """Loop thread: start every queued message (no task per message)."""
         self.scheduled = False
         queue = self.queue
-        publish = self.publisher.publish
-        create_task = self.thread.loop.create_task
+        publish = self.publisher.publish_with_callback
         settle = self.settle
         while queue:
             sink, body, routing_key, exchange, timeout, options, context, bounded = queue.popleft()
@@ -116,15 +116,23 @@ class Runtime:
                 if bounded:
                     self.slots.release()  # cancelled by the caller before we took it
                 continue
-            coro = publish(
-                body, routing_key=routing_key, exchange=exchange, timeout=timeout, **options
-            )
-            task = create_task(coro, context=context)
             self.active += 1
-            task.add_done_callback(partial(settle, sink, options.get("message_id") or "", bounded))
+            context.run(
+                publish,
+                partial(settle, sink, bounded),
+                body,
+                routing_key=routing_key,
+                exchange=exchange,
+                timeout=timeout,
+                **options,
+            )
 
     def settle(
-        self, sink: Sink, message_id: str, bounded: bool, task: asyncio.Task[PublishResult]
+        self,
+        sink: Sink,
+        bounded: bool,
+        result: PublishResult | None,
+        error: ReliableMQError | None,
     ) -> None:
         """Loop thread: pass a finished publish to its sink."""
         if bounded:
@@ -132,18 +140,9 @@ class Runtime:
         self.active -= 1
         if not self.active and self.idle is not None:
             self.idle.set()
-        if task.cancelled():
-            sink.set_exception(
-                PublishAborted(
-                    "publisher stopped before a confirm; the broker may still have it",
-                    message_id=message_id,
-                    attempts=0,
-                )
-            )
-            return
-        error = task.exception()
         if error is None:
-            sink.set_result(task.result())
+            assert result is not None
+            sink.set_result(result)
         else:
             sink.set_exception(error)
 
