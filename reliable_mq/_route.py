@@ -26,7 +26,7 @@ from .handlers import HandlerSpec
 from .log import get_logger
 from .metrics import QueueMetrics
 from .settings import ConnectionSettings, ConsumerSettings
-from .topology import QueueTopology, QueueType, declare_topology
+from .topology import QueueTopology, QueueType, prepare_topology
 
 __all__ = ("ChannelKeeper", "OnMessage", "Route")
 
@@ -63,6 +63,7 @@ class Route:
         self.keeper: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
         self.log = get_logger(__name__).bind(connection=name, queue=spec.queue)
+        self.queue_has_dlx = False  # known once a channel is open (see ChannelKeeper.open)
         self._unpublishable = 0  # deliveries requeued later in a row (no copy published)
 
     def next_requeue_delay(self) -> float:
@@ -107,9 +108,10 @@ class ChannelKeeper:
         aio_channel = None
         try:
             async with asyncio.timeout(self.connection_settings.connect_timeout):
+                check = await prepare_topology(
+                    connection, route.topology, declare=route.spec.declare
+                )
                 aio_channel = await connection.channel(publisher_confirms=False)
-                if route.spec.declare:
-                    await declare_topology(aio_channel, route.topology)
                 channel = cast(Channel, await aio_channel.get_underlay_channel())
                 await channel.basic_qos(prefetch_count=self.shared.settings.prefetch)
                 session = Session(self.shared, route, channel)
@@ -126,9 +128,19 @@ class ChannelKeeper:
                 raise ConsumerError(f"cannot consume {route.queue!r}: {fault.describe()}") from exc
             raise
         session.consumer_tag = ok.consumer_tag
+        # Only a work queue declared with our arguments is known to dead-letter to
+        # its DLQ; an adopted one may drop what is rejected (the last-resort rung).
+        route.queue_has_dlx = route.spec.queue_has_dlx and not check.adopted
         route.session = session
         route.ready.set()
-        route.log.debug("consuming", consumer_tag=ok.consumer_tag)
+        if first:
+            if check.adopted:
+                route.log.warning("queue_used_as_is", detail=check.warning(route.topology))
+            route.log.info(
+                "consuming", prefetch=self.shared.settings.prefetch, messages=check.messages
+            )
+        else:
+            route.log.debug("consuming", consumer_tag=ok.consumer_tag)
 
     async def wait_end(self, session: Session) -> str:
         """Wait until the channel closes, or the broker cancels our consumer.

@@ -273,7 +273,7 @@ class Session(Frames):
                 rung,
                 fault,
                 purpose=purpose,
-                queue_has_dlx=route.spec.queue_has_dlx,
+                queue_has_dlx=route.queue_has_dlx,
                 copy_goes_to_dlx_target=purpose is Settle.DEAD_LETTER,
             )
             self.shared.fallbacks += 1

@@ -18,7 +18,7 @@ The consumer's jobs are split by module:
 * `reliable_mq._route`: a channel per queue, reopened whenever it dies;
 * this module: the public class, its life cycle and the handler watchdog.
 
-Outcomes (see `AckPolicy`):
+Outcomes (see [`AckPolicy`][reliable_mq.handlers.AckPolicy]):
 
 * return: ack (batched into ``basic.ack(multiple=true)`` over the contiguous
   prefix of finished tags, flushed by count and every ``ack_flush_interval``);
@@ -104,17 +104,17 @@ class ConsumerStats(NamedTuple):
 class ReliableConsumer(Router):
     """Consumes queues with manual acks, bounded prefetch, delayed retries and a DLQ.
 
-    ::
+    ```python
+    consumer = ReliableConsumer("amqp://guest:guest@127.0.0.1/", prefetch=200)
 
-        consumer = ReliableConsumer("amqp://guest:guest@127.0.0.1/", prefetch=200)
+    @consumer.handler("orders")
+    async def on_order(order: Order, delivery: Delivery) -> None: ...
 
-        @consumer.handler("orders")
-        async def on_order(order: Order, delivery: Delivery) -> None: ...
-
-        await consumer.run()  # until stop(), SIGTERM or SIGINT
+    await consumer.run()  # until stop(), SIGTERM or SIGINT
+    ```
 
     De-duplication is on by default: each consumer gets a
-    `MemoryDedupStore` of its own (settings
+    [`MemoryDedupStore`][reliable_mq.dedup.MemoryDedupStore] of its own (settings
     ``dedup_retention``, ``dedup_max_entries``), which catches redeliveries and
     republished copies that reach *this* process. Several consumer processes on
     one queue need a shared store (``RedisDedupStore``); ``dedup=None`` turns
@@ -132,9 +132,9 @@ class ReliableConsumer(Router):
             dead letters with confirms.
         registry: the Prometheus registry for metrics (default: the global one).
         metrics_prefix: the metric name prefix.
-        dedup: ``"memory"`` (default): a `MemoryDedupStore`
+        dedup: ``"memory"`` (default): a [`MemoryDedupStore`][reliable_mq.dedup.MemoryDedupStore]
             owned and closed by this consumer; a
-            `DedupStore` (shared, e.g. Redis; the
+            [`DedupStore`][reliable_mq.dedup.DedupStore] (shared, e.g. Redis; the
             caller closes it); or ``None``: no de-duplication.
 
     Raises:

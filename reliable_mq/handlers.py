@@ -1,10 +1,12 @@
 """Handler registration, body decoding by annotation, ack policies and handler signals.
 
 A handler is an ``async def`` taking the decoded body, optionally followed by the
-`Delivery`::
+[`Delivery`][reliable_mq.delivery.Delivery]:
 
-    @router.handler("orders")
-    async def on_order(order: Order, delivery: Delivery) -> None: ...
+```python
+@router.handler("orders")
+async def on_order(order: Order, delivery: Delivery) -> None: ...
+```
 
 The body's annotation picks the decoder: a pydantic model (JSON, validated),
 ``dict``/``list`` or any other type pydantic can validate (JSON), ``str``
@@ -15,7 +17,7 @@ nested too deeply); only a ``MemoryError`` is retried instead.
 
 Handlers steer the outcome by raising `Retry` (delayed retry) or
 `Reject` (dead-letter now). These are control-flow signals, not errors:
-they do not derive from `ReliableMQError`.
+they do not derive from [`ReliableMQError`][reliable_mq.errors.ReliableMQError].
 """
 
 from __future__ import annotations
@@ -210,8 +212,9 @@ class HandlerOptions(TypedDict, total=False):
             ``AckPolicy.RETRY_ON_ERROR``); a string value is accepted.
         queue_type: the queue type to declare (default classic); a string is accepted.
         declare: declare the queue, its retry queues and DLQ on start (default True).
-            Only a declared queue is known to have a dead-letter exchange, which the
-            consumer's last-resort fallback needs (see `docs/failure-semantics.md`).
+            Only a work queue the consumer declared with its own arguments is known
+            to dead-letter to its DLQ, which the last-resort fallback for a copy
+            that cannot be published needs (see `docs/failure-semantics.md`).
         queue_arguments: extra ``x-`` arguments for the work queue declaration.
         dedup: this handler's de-duplication store, ``None`` for none, or
             `USE_CONSUMER_DEDUP` (default: the consumer's ``dedup``).

@@ -32,8 +32,10 @@ Headers the Spark helper writes (`reliable_mq.spark`):
 attempt number of the task that sent it) and `x-spark-batch-id` (the
 `foreachBatch` micro-batch id).
 
-Headers the broker writes that the consumer reads: `x-delivery-count` (quorum
-queues: earlier deliveries, added to the attempt number) and `x-death`.
+Headers the broker writes that reliable_mq reads: `x-delivery-count` (quorum
+queues: earlier deliveries, added to the attempt number), `x-death` and the
+`x-first-death-*`/`x-last-death-*` group (a message the broker dead-lettered:
+`reliable-mq dlq list` shows its reason as `broker:<reason>`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ __all__ = (
     "ATTEMPTS_HEADER",
     "ATTEMPT_HEADER",
     "DEAD_LETTERED_AT_HEADER",
+    "BROKER_DEATH_HEADERS",
     "DEAD_LETTER_HEADERS",
+    "DEATH_HEADER",
     "DELIVERY_COUNT_HEADER",
     "DROPPED_HEADERS_HEADER",
     "DeadLetterReason",
@@ -130,6 +134,20 @@ SPARK_BATCH_ID_HEADER = "x-spark-batch-id"
 DELIVERY_COUNT_HEADER = "x-delivery-count"
 """Written by the broker on quorum queues: earlier deliveries of this message.
 The consumer adds it to the attempt number and strips it from its copies."""
+
+DEATH_HEADER = "x-death"
+"""Written by the broker when it dead-letters a message: one table per (queue, reason)."""
+
+BROKER_DEATH_HEADERS = (
+    DEATH_HEADER,
+    "x-first-death-exchange",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-last-death-exchange",
+    "x-last-death-queue",
+    "x-last-death-reason",
+)
+"""Every header the broker writes when it dead-letters a message."""
 
 WIRE_CONTRACT = frozenset(
     {

@@ -2,7 +2,7 @@
 
 Each section is its own ``BaseSettings`` so an application can configure the
 publisher without knowing about the consumer. Invalid values raise
-:class:`~reliable_mq.errors.InvalidSettings` naming the field, and never echo
+[`InvalidSettings`][reliable_mq.errors.InvalidSettings] naming the field, and never echo
 the input (a URL may carry a password).
 """
 
@@ -47,7 +47,7 @@ def redact_credentials(text: str) -> str:
     """Replace the password of every ``scheme://user:password@`` inside ``text``.
 
     For free text that may quote a URL (an error message, a traceback), where
-    :func:`redact_url` cannot be applied because the URL is not separate.
+    `redact_url()` cannot be applied because the URL is not separate.
     """
     return _CREDENTIALS.sub(r"\1***@", text)
 
@@ -182,7 +182,7 @@ class ConnectionSettings(_Settings):
 
 
 class PublisherSettings(_Settings):
-    """The confirm window, deadlines and retry policy of a :class:`ReliablePublisher`."""
+    """The confirm window, deadlines and retry policy of a `ReliablePublisher`."""
 
     model_config = SettingsConfigDict(env_prefix="RELIABLE_MQ_PUBLISHER_")
 
@@ -216,6 +216,14 @@ class PublisherSettings(_Settings):
     )
     max_message_size: int = Field(
         default=128 * 1024 * 1024, ge=1, description="bytes; RabbitMQ's own default limit"
+    )
+    unavailable_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "seconds without a connection after which every message waiting for one fails "
+            "with PublishUnavailable, and new publishes fail at once until it is back"
+        ),
     )
 
     @model_validator(mode="after")

@@ -22,7 +22,7 @@ How it works:
 * Each partition runs in the executor's Python worker: it starts its own event
   loop (``asyncio.run``; in a fresh thread if the calling thread already runs a
   loop, as in a notebook), opens its own connection with a
-  :class:`~reliable_mq.ReliablePublisher`, streams the rows through the
+  [`ReliablePublisher`][reliable_mq.ReliablePublisher], streams the rows through the
   confirm window with ``enqueue()``, waits for every confirm, and closes the
   connection in every case. Nothing is opened on the driver and pickled.
 * Message ids are deterministic: ``uuid5(uuid5(NAMESPACE_URL, id_namespace),
@@ -36,23 +36,23 @@ How it works:
 * A nack, a confirm timeout or a lost connection is first handled inside the
   publisher (republished on the same id); messages that still end unconfirmed are
   republished in up to ``max_task_attempts`` rounds inside the task, each on a
-  fresh connection; then :class:`PartitionNotConfirmed` is raised and Spark
+  fresh connection; then `PartitionNotConfirmed` is raised and Spark
   retries the task.
 * Deterministic failures (``basic.return`` unroutable, missing exchange, a message
   too large or not encodable) stop the partition at once. Under
-  :func:`publish_dataframe` the task then *succeeds* with an error in its stats
+  `publish_dataframe()` the task then *succeeds* with an error in its stats
   row and the driver raises the error: Spark spends no task retries on it. Under
-  :func:`partition_publisher` (``foreachPartition``) the only way out is to raise,
+  `partition_publisher()` (``foreachPartition``) the only way out is to raise,
   so Spark retries the task up to ``spark.task.maxFailures`` times, each retry
   failing at its first message again.
-* :func:`check_destination` runs on the driver before the job (passive declare
+* `check_destination()` runs on the driver before the job (passive declare
   of the exchange, or of the queue on the default exchange), so a typo fails in
   milliseconds instead of burning every task retry.
 
 Metrics: executors do not push Prometheus metrics. Each partition's publisher
 uses a private ``CollectorRegistry`` (an executor has nobody scraping it) and
-returns one :class:`PartitionStats` row; :func:`publish_dataframe` collects the
-rows into a :class:`PublishReport` on the driver. Rows come only from task
+returns one `PartitionStats` row; `publish_dataframe()` collects the
+rows into a `PublishReport` on the driver. Rows come only from task
 attempts that succeeded: when a task fails and Spark retries it, the failed
 attempt's counts are lost with it (its confirmed messages are still on the
 broker, as duplicates of the retry's). No accumulators are used.
@@ -148,7 +148,7 @@ class PublishSpec:
 
     Args:
         url: an AMQP URL (several comma separated fail over) or
-            :class:`~reliable_mq.ConnectionSettings`. Stored as a ``SecretStr``,
+            [`ConnectionSettings`][reliable_mq.ConnectionSettings]. Stored as a ``SecretStr``,
             so ``repr`` never shows the password.
         routing_key: a fixed routing key (the queue name on the default exchange).
         exchange: the exchange; ``""`` is the default exchange.
@@ -329,7 +329,7 @@ class PartitionStats:
         rounds: in-task publishing rounds (1 unless some messages needed another).
         seconds: wall time in the task.
         error_type: set when a deterministic failure (unroutable...) stopped the
-            partition; :func:`publish_dataframe` raises it on the driver.
+            partition; `publish_dataframe()` raises it on the driver.
         error: that error's text.
         error_details: the fields needed to raise the error again on the driver.
     """
@@ -349,7 +349,7 @@ class PartitionStats:
 
 @dataclass(frozen=True, slots=True)
 class PublishReport:
-    """The outcome of :func:`publish_dataframe`, summed over partitions.
+    """The outcome of `publish_dataframe()`, summed over partitions.
 
     Counts come from the task attempts that succeeded only. A task attempt that
     failed (and was retried by Spark) left its confirmed messages on the broker,
@@ -685,7 +685,7 @@ def partition_publisher(
     It returns once every row is confirmed. Any failure raises, so Spark retries
     the task (same ids); deterministic failures such as unroutable are retried
     too, up to ``spark.task.maxFailures``, each retry failing at its first
-    message. :func:`publish_dataframe` avoids those retries and returns a report.
+    message. `publish_dataframe()` avoids those retries and returns a report.
     """
 
     def publish_partition(rows: Iterable[Any]) -> None:
@@ -804,7 +804,7 @@ def publish_dataframe(
         df: the rows to publish.
         spec: where and how.
         batch_id: a micro-batch id, sent in the ``x-spark-batch-id`` header.
-        check: run :func:`check_destination` first.
+        check: run `check_destination()` first.
 
     Raises:
         InvalidSettings: the spec names a column the DataFrame lacks (no task started).
@@ -814,7 +814,7 @@ def publish_dataframe(
             the job, without Spark task retries.
         pyspark.errors.PySparkException (or Py4JJavaError): a task failed
             ``spark.task.maxFailures`` times (for example
-            :class:`PartitionNotConfirmed` or the user serializer's error).
+            `PartitionNotConfirmed` or the user serializer's error).
     """
     started = time.monotonic()
     _check_columns(spec, df.columns)
@@ -864,8 +864,8 @@ def foreach_batch_sink(
 
     Args:
         spec: where and how.
-        on_report: called on the driver with each batch's :class:`PublishReport`.
-        check: run :func:`check_destination` before the first batch.
+        on_report: called on the driver with each batch's `PublishReport`.
+        check: run `check_destination()` before the first batch.
     """
     checked = not check
 

@@ -391,7 +391,8 @@ def _session(policy: AckPolicy = R) -> tuple[Any, _Channel]:
         metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
         dedup=None,
         queue="q",
-        spec=SimpleNamespace(ack_policy=policy, queue_has_dlx=True),
+        spec=SimpleNamespace(ack_policy=policy),
+        queue_has_dlx=True,
         topology=TOPOLOGY,
     )
     shared = Shared(ConsumerSettings(batch_ack=False))
