@@ -14,9 +14,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pamqp.commands import Basic
-from pamqp.header import ContentHeader
-
 from ._settle import Cause, Decision
 from .delivery import Delivery, Settle
 from .headers import (
@@ -37,14 +34,12 @@ from .headers import (
 )
 from .topology import QueueTopology
 
-__all__ = ("Copy", "build_copy", "fits_frame", "truncate")
+__all__ = ("Copy", "build_copy", "truncate")
 
 TEXT_LIMIT = 1000
 """Longest text header we write (error messages, dropped header names)."""
 _SMALL_VALUE = 256
 _STRIP_ON_REPUBLISH = frozenset({DELIVERY_COUNT_HEADER})
-_FRAME_OVERHEAD = 8  # frame type, channel, size, frame-end: the payload limit is frame_max - 8
-_MARGIN = 64  # room for a message id the publisher may generate
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,28 +150,3 @@ def build_copy(
     else:
         raise ValueError(f"{purpose} needs no copy")
     return Copy(purpose, queue, delay, headers, trimmed)
-
-
-def fits_frame(copy: Copy, delivery: Delivery, frame_max: int) -> bool:
-    """True if the copy's content header fits one frame of ``frame_max`` bytes.
-
-    The broker closes the whole connection on a larger one (``FRAME_ERROR``).
-    The original fitted when it was delivered; our own headers may push the
-    copy over. Unencodable headers count as not fitting. ``frame_max`` 0 means
-    no limit.
-    """
-    if not frame_max:
-        return True
-    try:
-        properties = Basic.Properties(
-            content_type=delivery.content_type or "application/octet-stream",
-            delivery_mode=2,
-            message_id=delivery.message_id or None,
-            headers=copy.headers,
-            correlation_id=delivery.correlation_id,
-            reply_to=delivery.reply_to,
-        )
-        size = len(ContentHeader(0, len(delivery.body), properties).marshal())
-    except Exception:  # a value pamqp cannot encode: the publisher could not either
-        return False
-    return size + _MARGIN <= frame_max - _FRAME_OVERHEAD

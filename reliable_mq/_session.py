@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiormq import Channel
 
-from ._copies import Copy, build_copy, fits_frame
+from ._copies import Copy, build_copy
 from ._dedup_gate import Claim
 from ._frames import Frames, Shared
 from ._settle import Cause, CopyFault, Decision, Outcome, Rung, copy_fault, decide, next_rung
@@ -120,8 +120,6 @@ class Session(Frames):
         self.inflight: dict[int, Ticket] = {}
         self.running: dict[int, Ticket] = {}  # handlers under the watchdog
         self.consumer_tag: str | None = None
-        tune = getattr(getattr(channel, "connection", None), "connection_tune", None)
-        self.frame_max: int = int(getattr(tune, "frame_max", 0) or 0)
 
     # -- tickets ------------------------------------------------------------
 
@@ -297,9 +295,12 @@ class Session(Frames):
         return Settle.REQUEUE
 
     async def _publish(self, delivery: Delivery, copy: Copy) -> tuple[CopyFault | None, str]:
-        """Publish ``copy`` with confirms: None, or why not (any exception is classified)."""
-        if not fits_frame(copy, delivery, self.frame_max):
-            return CopyFault.INVALID, f"headers do not fit frame_max={self.frame_max}"
+        """Publish ``copy`` with confirms: None, or why not (any exception is classified).
+
+        The publisher refuses locally what cannot be sent (headers over the
+        connection's ``frame_max`` once ours are added, values it cannot encode):
+        ``InvalidMessage``, classified as `CopyFault.INVALID`.
+        """
         publisher = self.shared.publisher
         try:
             if publisher is None:

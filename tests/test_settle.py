@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from reliable_mq._copies import build_copy, fits_frame
+from reliable_mq._copies import build_copy
 from reliable_mq._settle import (
     Cause,
     CopyFault,
@@ -345,22 +345,6 @@ class TestCopies:
         """A deferred copy goes round the first retry queue with the same attempt."""
         copy = build_copy(_delivery({}), TOPOLOGY, 1.0, Decision(Settle.DEFER), Cause(O.BUSY))
         assert (copy.queue, copy.headers[ATTEMPT_HEADER]) == ("orders.retry.1s", 2)
-
-    def test_frame_check(self) -> None:
-        """A copy whose header table outgrows frame_max does not fit; its trimmed copy does."""
-        delivery = _delivery({"big": "x" * 130_000})
-        cause = Cause(Outcome.RAISED, ValueError("e" * 5000))
-        full = build_copy(delivery, TOPOLOGY, 1.0, Decision(Settle.RETRY), cause)
-        trimmed = build_copy(delivery, TOPOLOGY, 1.0, Decision(Settle.RETRY), cause, trimmed=True)
-        assert not fits_frame(full, delivery, 131_072)
-        assert fits_frame(trimmed, delivery, 131_072)
-        assert fits_frame(full, delivery, 0)  # 0: no limit
-
-    def test_unencodable_header_does_not_fit(self) -> None:
-        """A header value pamqp cannot encode counts as not fitting (never raises)."""
-        delivery = _delivery({"weird": object()})
-        copy = build_copy(delivery, TOPOLOGY, 1.0, Decision(Settle.RETRY), Cause(O.RAISED))
-        assert not fits_frame(copy, delivery, 131_072)
 
 
 class _Channel:
