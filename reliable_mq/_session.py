@@ -1,424 +1,315 @@
-"""Per-channel delivery state of the consumer: acks, retries and dead letters.
+"""Per-channel delivery state of the consumer: settle frames, tickets, and `Session.apply`.
 
-A `Session` lives as long as one channel of one consumed queue. Every
-delivery is settled through the session it came from; once its channel is gone
-(`Session.dead()`) settles are dropped and counted as stale, because the
-broker has already requeued those deliveries and their tags mean nothing on
-any other channel.
+A `Session` lives as long as one channel of one consumed queue. Every delivery
+gets a `Ticket` (its settle state, and the `Settler` its `Delivery` calls), and
+every settle, whoever asks for it (the consumer after the handler, the handler
+through ``delivery.ack()``, a shutdown, a dead channel), goes through
+`Session.apply`: it takes the one pure decision (`reliable_mq._settle.decide`),
+reserves the ticket so that nothing settles it twice, completes or releases its
+dedup claim, and writes the frame (or publishes the copy first, walking the
+fallback ladder of `reliable_mq._settle.next_rung` when the copy cannot be
+published). Once the channel is gone (`Session.dead`) settles are dropped and
+counted as stale: the broker has already requeued those deliveries and their
+tags mean nothing on any other channel.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiormq
 from aiormq import Channel
 
-from ._acks import AckTracker
-from ._dedup_gate import DedupGate
-from .delivery import ATTEMPT_HEADER, Delivery
-from .errors import ClosedError, PublishError
-from .handlers import HandlerSpec
+from ._copies import Copy, build_copy
+from ._dedup_gate import Claim
+from ._frames import Frames, Shared
+from ._settle import Cause, CopyFault, Decision, Outcome, Rung, copy_fault, decide, next_rung
+from .delivery import Delivery, Settle
+from .errors import ClosedError
+from .handlers import Reject, Retry
+from .headers import DEAD_LETTER_HEADERS, LAST_ERROR_HEADER, NO_CONTENT_TYPE_HEADER
 from .log import get_logger
-from .metrics import Metrics
-from .publisher import ReliablePublisher
-from .settings import ConsumerSettings
-from .topology import QueueTopology, QueueType
+
+if TYPE_CHECKING:
+    from ._route import Route
 
 __all__ = (
-    "CHANNEL_ERRORS",
     "DEAD_LETTER_HEADERS",
     "LAST_ERROR_HEADER",
     "NO_CONTENT_TYPE_HEADER",
-    "ORIGINAL_EXCHANGE_HEADER",
-    "ORIGINAL_ROUTING_KEY_HEADER",
-    "Route",
     "Session",
     "Shared",
+    "Ticket",
     "delivery_log",
-    "int_header",
 )
 
-_H = "x-reliable-mq-"
-ORIGINAL_EXCHANGE_HEADER = _H + "original-exchange"
-ORIGINAL_ROUTING_KEY_HEADER = _H + "original-routing-key"
-LAST_ERROR_HEADER = _H + "last-error"
-NO_CONTENT_TYPE_HEADER = _H + "no-content-type"
-"""Set on a republished copy whose original had no content type (the publisher
-always sets one), so the copy decodes exactly like the original."""
-DEAD_LETTER_HEADERS = (
-    _H + "reason",
-    _H + "error-type",
-    _H + "error-message",
-    _H + "attempts",
-    _H + "queue",
-    _H + "dead-lettered-at",
+# Outcomes a handler asks for by calling the delivery: a second one is worth a warning.
+_CALLED = frozenset(
+    {
+        Outcome.ACK_CALLED,
+        Outcome.NACK_CALLED,
+        Outcome.DROP_CALLED,
+        Outcome.RETRY_SIGNAL,
+        Outcome.REJECT_SIGNAL,
+    }
 )
-"""Headers a dead-lettered message carries: why, what raised, how often, where, when."""
-
-CHANNEL_ERRORS: tuple[type[BaseException], ...] = (
-    aiormq.exceptions.AMQPError,
-    aiormq.exceptions.ChannelInvalidStateError,
-    ConnectionError,
-    OSError,
-    TimeoutError,
-    RuntimeError,
-)
-_STRIP_ON_REPUBLISH = ("x-delivery-count",)
 
 
-class Shared:
-    """What every session of one consumer shares: settings, counters, the publisher."""
+class Ticket:
+    """The settle state of one delivery: settled once, through its session.
 
-    __slots__ = (
-        "ack_frames",
-        "acked",
-        "dead_lettered",
-        "deferred",
-        "duplicates",
-        "publisher",
-        "requeued",
-        "retried",
-        "settings",
-        "stale",
-    )
+    It is the delivery's [`Settler`][reliable_mq.delivery.Settler]: the
+    handler's ``delivery.ack()`` and friends arrive here as outcomes.
 
-    def __init__(self, settings: ConsumerSettings) -> None:
-        self.settings = settings
-        self.publisher: ReliablePublisher | None = None
-        self.acked = self.retried = self.dead_lettered = 0
-        self.requeued = self.stale = self.ack_frames = 0
-        self.duplicates = self.deferred = 0
+    Attributes:
+        tag: the delivery tag.
+        task: the task processing the delivery (None outside a task).
+        delivery: the delivery (set right after the ticket is made).
+        claim: the dedup claim held for it, until the settle completes or releases it.
+        timed_out: the watchdog cancelled its handler.
+        deadline: when the handler times out (``perf_counter`` seconds).
+    """
 
+    __slots__ = ("_outcome", "claim", "deadline", "delivery", "session", "tag", "task", "timed_out")
 
-class RouteMetrics:
-    """Labelled children for one queue (``labels()`` is slow on a hot path)."""
+    def __init__(self, session: Session, tag: int, task: asyncio.Task[Any] | None) -> None:
+        self.session = session
+        self.tag = tag
+        self.task = task
+        self.delivery: Delivery
+        self.claim: Claim | None = None
+        self.timed_out = False
+        self.deadline = 0.0
+        self._outcome: Settle | None = None
 
-    __slots__ = (
-        "ack_batches",
-        "acked",
-        "dead_lettered",
-        "duration",
-        "in_progress",
-        "metrics",
-        "queue",
-        "redeliveries",
-        "requeued",
-        "retried",
-        "stale",
-        "stale_settles",
-    )
+    @property
+    def outcome(self) -> Settle | None:
+        """The settle chosen (the final one once carried out), or None."""
+        return self._outcome
 
-    def __init__(self, metrics: Metrics, queue: str) -> None:
-        self.metrics = metrics
-        self.queue = queue
-        self.acked = metrics.deliveries.labels(queue, "acked")
-        self.retried = metrics.deliveries.labels(queue, "retried")
-        self.dead_lettered = metrics.deliveries.labels(queue, "dead_lettered")
-        self.requeued = metrics.deliveries.labels(queue, "requeued")
-        self.stale = metrics.deliveries.labels(queue, "stale")
-        self.redeliveries = metrics.redeliveries.labels(queue)
-        self.duration = metrics.handler_duration.labels(queue)
-        self.in_progress = metrics.in_progress.labels(queue)
-        self.stale_settles = metrics.stale_settles.labels(queue)
-        self.ack_batches = metrics.ack_batches.labels(queue)
+    @property
+    def settled(self) -> bool:
+        return self._outcome is not None
 
+    async def settle(self, cause: Cause) -> bool:
+        """Settle by ``cause`` unless settled already; True if this call settled it."""
+        return await self.session.apply(self, cause)
 
-class Route:
-    """One consumed queue: its handler, topology, metrics and current session."""
+    # -- Settler: what the handler asks for ---------------------------------------
 
-    def __init__(
-        self,
-        spec: HandlerSpec,
-        settings: ConsumerSettings,
-        metrics: Metrics,
-        name: str,
-        dedup: DedupGate | None = None,
-    ) -> None:
-        self.spec = spec
-        self.dedup = dedup
-        self.queue = spec.queue
-        self.topology = QueueTopology(
-            queue=spec.queue,
-            queue_type=spec.queue_type,
-            retry_delays=settings.retry_delays,
-            arguments=spec.queue_arguments,
-        )
-        self.quorum = spec.queue_type is QueueType.QUORUM
-        self.metrics = RouteMetrics(metrics, spec.queue)
-        limit = settings.effective_concurrency
-        self.semaphore = asyncio.Semaphore(limit) if limit else None
-        self.session: Session | None = None
-        self.keeper: asyncio.Task[None] | None = None
-        self.ready = asyncio.Event()
-        self.log = get_logger(__name__).bind(connection=name, queue=spec.queue)
+    async def settle_ack(self, delivery: Delivery) -> bool:
+        return await self.settle(Cause(Outcome.ACK_CALLED))
+
+    async def settle_nack(self, delivery: Delivery, requeue: bool) -> bool:
+        return await self.settle(Cause(Outcome.NACK_CALLED if requeue else Outcome.DROP_CALLED))
+
+    async def settle_retry(self, delivery: Delivery, reason: str, delay: float | None) -> bool:
+        signal = Retry(reason, delay=delay)
+        return await self.settle(Cause(Outcome.RETRY_SIGNAL, signal, reason, delay))
+
+    async def settle_dead_letter(self, delivery: Delivery, reason: str) -> bool:
+        return await self.settle(Cause(Outcome.REJECT_SIGNAL, Reject(reason), reason))
 
 
-class Session:
-    """One channel's life for one route; the `Settler` of its deliveries."""
+class Session(Frames):
+    """One channel's life for one route: its frames, its tickets, its settles."""
 
     def __init__(self, shared: Shared, route: Route, channel: Channel) -> None:
-        self.shared = shared
+        super().__init__(shared, route.metrics, channel)
         self.route = route
-        self.channel = channel
-        self.alive = True
-        self.tracker = AckTracker()
-        self.lock = asyncio.Lock()
-        self.inflight: dict[int, tuple[Delivery, asyncio.Task[Any] | None]] = {}
-        self.running: dict[int, tuple[asyncio.Task[Any], float]] = {}  # tag: (task, deadline)
-        self.expired: set[int] = set()
+        self.inflight: dict[int, Ticket] = {}
+        self.running: dict[int, Ticket] = {}  # handlers under the watchdog
         self.consumer_tag: str | None = None
-        self.flush_handle: asyncio.TimerHandle | None = None
-        self.flush_tasks: set[asyncio.Task[None]] = set()
-        self.batch = shared.settings.batch_ack
-        self.batch_size = shared.settings.ack_batch_size
 
-    def dead(self) -> bool:
-        """True once the channel is gone (its delivery tags are void)."""
-        return not self.alive or self.channel.is_closed
+    # -- tickets ------------------------------------------------------------
 
-    # -- frames -------------------------------------------------------------
+    def admit(self, tag: int, task: asyncio.Task[Any] | None) -> Ticket:
+        """Record a new delivery and make its ticket (the caller sets ``ticket.delivery``)."""
+        self.tracker.delivered(tag)
+        ticket = Ticket(self, tag, task)
+        self.inflight[tag] = ticket
+        return ticket
 
-    def _stale(self, deliveries: int) -> None:
-        self.shared.stale += deliveries
-        self.route.metrics.stale_settles.inc(deliveries)
-        self.route.metrics.stale.inc(deliveries)
+    def forget(self, ticket: Ticket) -> None:
+        """The delivery's processing ended (it was settled)."""
+        self.inflight.pop(ticket.tag, None)
+        self.running.pop(ticket.tag, None)
 
-    async def _write(self, kind: str, tag: int, deliveries: int, *, wait: bool = False) -> bool:
-        """Write one settle frame; the caller holds `lock`. False if the channel is gone."""
-        channel = self.channel
-        if not self.alive or channel.is_closed:
-            self._stale(deliveries)
+    def watch(self, ticket: Ticket, deadline: float) -> None:
+        """Put the ticket's handler under the watchdog until `unwatch`."""
+        ticket.deadline = deadline
+        self.running[ticket.tag] = ticket
+
+    def unwatch(self, ticket: Ticket) -> None:
+        self.running.pop(ticket.tag, None)
+
+    def expire_overdue(self, now: float) -> None:
+        """Cancel every watched handler past its deadline (flagged as timed out first)."""
+        for ticket in [t for t in self.running.values() if now >= t.deadline and not t.timed_out]:
+            ticket.timed_out = True
+            if ticket.task is not None:
+                ticket.task.cancel()
+
+    async def abandon(self) -> int:
+        """Shutdown past its grace: requeue every unsettled delivery, cancel its handler."""
+        abandoned = [t for t in self.inflight.values() if not t.settled]
+        for ticket in abandoned:
+            await ticket.settle(Cause(Outcome.SHUTDOWN))
+            if ticket.task is not None:
+                ticket.task.cancel()
+        return len(abandoned)
+
+    # -- apply: the one way a delivery is settled -------------------------------
+
+    async def apply(self, ticket: Ticket, cause: Cause) -> bool:
+        """Settle ``ticket`` by ``cause``: decide, reserve, finish the claim, write.
+
+        Returns:
+            True if this call settled it; False if it was settled before (or the
+            decision is to hold it unsettled for now).
+        """
+        delivery = ticket.delivery
+        decision = decide(
+            self.route.spec.ack_policy,
+            cause.outcome,
+            delivery.attempt,
+            self.shared.settings.max_attempts,
+        )
+        if decision.settle is Settle.HOLD:
             return False
+        if ticket.settled:
+            if cause.outcome in _CALLED:
+                delivery_log(delivery).warning(
+                    "delivery_already_settled", first=ticket.outcome, second=decision.settle
+                )
+            return False
+        ticket._outcome = decision.settle  # reserved: nothing else settles this delivery
         try:
-            if kind == "ack":
-                await channel.basic_ack(tag, multiple=False, wait=wait)
-            elif kind == "ack_multiple":
-                await channel.basic_ack(tag, multiple=True, wait=wait)
-            elif kind == "nack_requeue":
-                await channel.basic_nack(tag, multiple=False, requeue=True, wait=wait)
-            else:  # "nack_drop"
-                await channel.basic_nack(tag, multiple=False, requeue=False, wait=wait)
-        except CHANNEL_ERRORS:
-            self.alive = False
-            self._stale(deliveries)
-            return False
-        if kind.startswith("ack"):
-            self.shared.ack_frames += 1
-            self.route.metrics.ack_batches.inc()
+            final = await self._carry_out(ticket, decision, cause)
+        except asyncio.CancelledError:
+            # A dead channel or the end of a shutdown interrupted us mid-way.
+            ticket._outcome = self._requeue_soon(ticket)
+            raise
+        except Exception as exc:  # a bug of ours: the delivery must still end settled
+            delivery_log(delivery).error("settle_failed", error=repr(exc), exc_info=exc)
+            final = await self._last_resort(ticket)
+        ticket._outcome = final
         return True
 
-    async def _settle_single(self, kind: str, tag: int) -> None:
-        """Settle ``tag`` by its own frame, unless it was settled already.
-
-        The tracker's state changes under the same lock as the frame is written,
-        so frames leave in the order the tracker decided them: a multiple ack
-        decided after this settle can never overtake its frame, and one decided
-        before it (while the tag was still in progress) never reaches this tag.
-        """
-        async with self.lock:
-            if self.tracker.settle(tag):
-                await self._write(kind, tag, 1)
-
-    async def flush(self, *, stragglers: bool, wait: bool = False) -> None:
-        """Send the batched acks: the finished prefix, and optionally the stragglers."""
-        async with self.lock:
-            tag, count = self.tracker.take_prefix()
-            if tag is not None:
-                await self._write("ack_multiple" if count > 1 else "ack", tag, count, wait=wait)
-            if stragglers:
-                for single in self.tracker.take_stragglers():
-                    await self._write("ack", single, 1, wait=wait)
-
-    def _on_flush_timer(self) -> None:
-        self.flush_handle = None
-        if self.tracker.pending and not self.dead():
-            task = asyncio.get_running_loop().create_task(self.flush(stragglers=True))
-            self.flush_tasks.add(task)
-            task.add_done_callback(self.flush_tasks.discard)
-
-    def end(self) -> None:
-        """The channel is gone: stop timers and flushes (a write to a dead
-        connection can block forever in aiormq's bounded write queue)."""
-        self.alive = False
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
-            self.flush_handle = None
-        for task in list(self.flush_tasks):
-            task.cancel()
-
-    async def ack(self, tag: int, *, count: bool = True) -> None:
-        """Ack ``tag`` (batched or now); ``count``: report it as an "acked" outcome."""
-        if count:
-            self.shared.acked += 1
-            self.route.metrics.acked.inc()
-        if self.dead():
-            self._stale(1)
-            return
-        if self.batch:
-            if not self.tracker.finish(tag):
-                return
-            if self.tracker.pending >= self.batch_size:
-                await self.flush(stragglers=False)
-            if self.tracker.pending and self.flush_handle is None:
-                self.flush_handle = asyncio.get_running_loop().call_later(
-                    self.shared.settings.ack_flush_interval, self._on_flush_timer
-                )
-        else:
-            await self._settle_single("ack", tag)
-
-    async def ack_now(self, tag: int) -> None:
-        """Ack ``tag`` in its own frame, now: used after a confirmed republish, so
-        a channel loss cannot leave both the copy and the original behind."""
-        if self.dead():
-            self._stale(1)
-            return
-        await self._settle_single("ack", tag)
-
-    async def nack(self, tag: int, *, requeue: bool) -> None:
-        if self.dead():
-            self._stale(1)
-            return
-        await self._settle_single("nack_requeue" if requeue else "nack_drop", tag)
-
-    # -- Settler protocol ------------------------------------------------------
-
-    async def settle_ack(self, delivery: Delivery) -> None:
-        # De-duplication: the id is marked done before the ack, never after.
-        if delivery._dedup_owner is not None and not await self._complete(delivery):
-            return
-        await self.ack(delivery.delivery_tag)
-
-    async def _complete(self, delivery: Delivery) -> bool:
-        """Mark the id done; if the store stays down, requeue instead of acking."""
-        gate = self.route.dedup
-        assert gate is not None
-        if (gate.nowait is not None and gate.complete_nowait(delivery)) or await gate.complete(
-            delivery
-        ):
-            return True
-        self.shared.requeued += 1
-        self.route.metrics.requeued.inc()
-        await self.nack(delivery.delivery_tag, requeue=True)
-        return False
-
-    async def _release(self, delivery: Delivery) -> None:
-        if delivery._dedup_owner is not None:
+    async def _carry_out(self, ticket: Ticket, decision: Decision, cause: Cause) -> Settle:
+        settle = decision.settle
+        if cause.outcome is Outcome.RETURNED and settle is not Settle.ACK:
+            delivery_log(ticket.delivery).warning("handler_did_not_settle")
+        claim, ticket.claim = ticket.claim, None
+        if claim is not None:
             gate = self.route.dedup
             assert gate is not None
-            await gate.release(delivery)
+            if not decision.mark_done:
+                await gate.release(claim)
+            elif not await gate.complete(claim):  # never ack an effect the store did not record
+                decision = decide(
+                    self.route.spec.ack_policy,
+                    Outcome.UNRECORDED,
+                    ticket.delivery.attempt,
+                    self.shared.settings.max_attempts,
+                )
+                settle = decision.settle
+        shared, metrics, tag = self.shared, self.route.metrics, ticket.tag
+        match settle:
+            case Settle.ACK:
+                shared.acked += 1
+                metrics.acked.inc()
+                await self.ack(tag)
+            case Settle.DUPLICATE:
+                shared.duplicates += 1
+                metrics.duplicate.inc()
+                metrics.duplicates_skipped.inc()
+                delivery_log(ticket.delivery).debug("duplicate_skipped", by=cause.outcome)
+                await self.ack(tag)
+            case Settle.REQUEUE:
+                shared.requeued += 1
+                metrics.requeued.inc()
+                await self.nack(tag, requeue=True)
+            case Settle.REJECT:
+                shared.rejected += 1
+                await self.nack(tag, requeue=False)
+            case Settle.STALE:
+                self.stale(1)
+            case Settle.RETRY | Settle.DEAD_LETTER | Settle.DEFER:
+                settle = await self._republish(ticket, decision, cause)
+        return settle
 
-    async def settle_nack(self, delivery: Delivery, requeue: bool) -> None:
-        await self._release(delivery)
-        self.shared.requeued += 1
-        self.route.metrics.requeued.inc()
-        await self.nack(delivery.delivery_tag, requeue=requeue)
+    # -- copies and the fallback ladder -------------------------------------------
 
-    async def settle_retry(
-        self, delivery: Delivery, reason: str, delay: float | None, error: BaseException | None
-    ) -> None:
-        await self._release(delivery)
-        shared = self.shared
-        if delivery.attempt >= shared.settings.max_attempts:
-            await self.settle_dead_letter(
-                delivery, "max_attempts", error, detail=None if error is not None else reason
+    async def _republish(self, ticket: Ticket, decision: Decision, cause: Cause) -> Settle:
+        """Publish the copy, then ack the original; walk the ladder if it cannot be published."""
+        if self.dead():  # the broker requeued it already; a copy would duplicate it
+            self.stale(1)
+            return Settle.STALE
+        delivery, route = ticket.delivery, self.route
+        purpose = decision.settle
+        rung = Rung.FULL_COPY
+        while rung in (Rung.FULL_COPY, Rung.TRIMMED_COPY):
+            copy = build_copy(
+                delivery,
+                route.topology,
+                self.shared.settings.retry_delays[0],
+                decision,
+                cause,
+                trimmed=rung is Rung.TRIMMED_COPY,
             )
-            return
-        if self.dead():  # the broker requeued it already; a republish would duplicate
-            self._stale(1)
-            return
-        topology = self.route.topology
-        if delay is None:
-            queue, delay = topology.retry_queue_for(delivery.attempt)
-        else:
-            queue, delay = topology.nearest_retry_queue(delay)
-        headers = republish_headers(delivery)
-        headers[ATTEMPT_HEADER] = delivery.attempt + 1
-        headers[LAST_ERROR_HEADER] = truncate(
-            f"{type(error).__name__}: {error}" if error is not None else reason
-        )
-        if await self._republish(delivery, queue, headers, "retry"):
-            shared.retried += 1
-            self.route.metrics.retried.inc()
-            delivery_log(delivery).info(
-                "delivery_retry_scheduled", reason=reason, delay=delay, retry_queue=queue
+            fault, error = await self._publish(delivery, copy)
+            if fault is None:
+                route.copy_published()
+                self._copied(delivery, decision, copy)
+                await self.ack_now(ticket.tag)
+                return purpose
+            if self.dead():
+                self.stale(1)
+                return Settle.STALE
+            rung = next_rung(
+                rung,
+                fault,
+                purpose=purpose,
+                queue_has_dlx=route.queue_has_dlx,
+                copy_goes_to_dlx_target=purpose is Settle.DEAD_LETTER,
             )
-            await self.ack_now(delivery.delivery_tag)
-
-    async def settle_dead_letter(
-        self,
-        delivery: Delivery,
-        reason: str,
-        error: BaseException | None,
-        *,
-        detail: str | None = None,
-    ) -> None:
-        await self._release(delivery)
-        if self.dead():
-            self._stale(1)
-            return
-        topology = self.route.topology
-        headers = republish_headers(delivery)
-        headers[_H + "reason"] = reason
-        headers[_H + "error-type"] = type(error).__name__ if error is not None else reason
-        message = str(error) if error is not None else ""
-        if detail:
-            message = f"{detail}: {message}" if message else detail
-        headers[_H + "error-message"] = truncate(message or reason)
-        headers[_H + "attempts"] = delivery.attempt
-        headers[_H + "queue"] = delivery.queue
-        headers[_H + "dead-lettered-at"] = datetime.now(UTC).isoformat()
-        if await self._republish(delivery, topology.dead_letter_queue, headers, "dead_letter"):
+            self.shared.fallbacks += 1
+            route.metrics.fallback(rung)
+            delivery_log(delivery).error(
+                "copy_not_published",
+                purpose=purpose,
+                target=copy.queue,
+                trimmed=copy.trimmed,
+                fault=fault,
+                error=error,
+                next=rung,
+            )
+        if rung is Rung.BROKER_DEAD_LETTER:
             self.shared.dead_lettered += 1
-            self.route.metrics.dead_lettered.inc()
-            self.route.metrics.metrics.dead_lettered.labels(delivery.queue, reason).inc()
-            delivery_log(delivery).warning(
-                "delivery_dead_lettered",
-                reason=reason,
-                error=headers[_H + "error-message"],
-                dlq=topology.dead_letter_queue,
-            )
-            await self.ack_now(delivery.delivery_tag)
+            route.metrics.dead_lettered.inc()
+            route.metrics.dead_letter_reason(str(decision.reason or "unpublishable_copy"))
+            await self.nack(ticket.tag, requeue=False)
+            return Settle.DEAD_LETTER
+        await self._requeue_later(ticket)
+        return Settle.REQUEUE
 
-    async def settle_defer(self, delivery: Delivery, reason: str) -> None:
-        """Send the delivery round the first retry queue *without* counting an attempt.
+    async def _publish(self, delivery: Delivery, copy: Copy) -> tuple[CopyFault | None, str]:
+        """Publish ``copy`` with confirms: None, or why not (any exception is classified).
 
-        For a message id another consumer holds now (``BUSY``) or a dedup store
-        that cannot answer: the handler did not run, so the copy comes back
-        with the same attempt number after ``retry_delays[0]`` seconds.
+        The publisher refuses locally what cannot be sent (headers over the
+        connection's ``frame_max`` once ours are added, values it cannot encode):
+        ``InvalidMessage``, classified as `CopyFault.INVALID`.
         """
-        if self.dead():
-            self._stale(1)
-            return
-        queue, delay = self.route.topology.nearest_retry_queue(self.shared.settings.retry_delays[0])
-        headers = republish_headers(delivery)
-        headers[ATTEMPT_HEADER] = delivery.attempt
-        if await self._republish(delivery, queue, headers, "defer"):
-            self.shared.deferred += 1
-            gate = self.route.dedup
-            if gate is not None:
-                gate.deferred.inc()
-            delivery_log(delivery).debug(
-                "delivery_deferred", reason=reason, delay=delay, retry_queue=queue
-            )
-            await self.ack_now(delivery.delivery_tag)
-
-    async def _republish(
-        self, delivery: Delivery, queue: str, headers: dict[str, Any], what: str
-    ) -> bool:
-        """Publish a copy with confirms; on failure requeue the original (never drop it)."""
         publisher = self.shared.publisher
         try:
             if publisher is None:
                 raise ClosedError("consumer has no publisher")
             await publisher.publish(
                 delivery.body,
-                routing_key=queue,
+                routing_key=copy.queue,
                 message_id=delivery.message_id or None,
-                headers=headers,
+                headers=copy.headers,
                 content_type=delivery.content_type or "application/octet-stream",
                 correlation_id=delivery.correlation_id,
                 reply_to=delivery.reply_to,
@@ -426,47 +317,78 @@ class Session:
                 persistent=True,
                 mandatory=True,
             )
-        except (PublishError, ClosedError) as exc:
-            delivery_log(delivery).error(
-                "republish_failed", target=queue, purpose=what, error=repr(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # typed publish errors, and anything an encoder may raise
+            return copy_fault(exc), repr(exc)[:500]
+        return None, ""
+
+    def _copied(self, delivery: Delivery, decision: Decision, copy: Copy) -> None:
+        shared, metrics, log = self.shared, self.route.metrics, delivery_log(delivery)
+        if copy.purpose is Settle.RETRY:
+            shared.retried += 1
+            metrics.retried.inc()
+            log.info(
+                "delivery_retry_scheduled",
+                delay=copy.delay,
+                retry_queue=copy.queue,
+                trimmed=copy.trimmed,
             )
-            # Requeue after a pause so a missing retry queue does not spin.
-            await asyncio.sleep(min(self.shared.settings.retry_delays[0], 1.0))
-            self.shared.requeued += 1
-            self.route.metrics.requeued.inc()
-            await self.nack(delivery.delivery_tag, requeue=True)
-            return False
-        return True
+        elif copy.purpose is Settle.DEAD_LETTER:
+            shared.dead_lettered += 1
+            metrics.dead_lettered.inc()
+            reason = str(decision.reason)
+            metrics.dead_letter_reason(reason)
+            log.warning(
+                "delivery_dead_lettered",
+                reason=reason,
+                error=copy.headers.get(DEAD_LETTER_HEADERS[2]),
+                dlq=copy.queue,
+                trimmed=copy.trimmed,
+            )
+        else:
+            shared.deferred += 1
+            metrics.deferred.inc()
+            log.debug("delivery_deferred", delay=copy.delay, retry_queue=copy.queue)
 
+    async def _requeue_later(self, ticket: Ticket) -> None:
+        """The last rung: hold the delivery a bounded, growing delay, then requeue it."""
+        delay = 0.0 if self.shared.stopping else self.route.next_requeue_delay()
+        delivery_log(ticket.delivery).error(
+            "delivery_requeued_later",
+            delay=delay,
+            hint="no copy could be published and the broker cannot dead-letter it",
+        )
+        self.shared.requeued += 1
+        self.route.metrics.requeued.inc()
+        if delay:
+            await asyncio.sleep(delay)
+        await self.nack(ticket.tag, requeue=True)
 
-def truncate(text: str, limit: int = 1000) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    async def _last_resort(self, ticket: Ticket) -> Settle:
+        try:
+            await self._requeue_later(ticket)
+        except Exception as exc:
+            # Nothing can be written: closing the channel makes the broker requeue it.
+            delivery_log(ticket.delivery).critical("settle_impossible", error=repr(exc))
+            self.abort()
+            return Settle.STALE
+        return Settle.REQUEUE
 
+    def _requeue_soon(self, ticket: Ticket) -> Settle:
+        """Requeue in the background: the settling task is being cancelled mid-way.
 
-def republish_headers(delivery: Delivery) -> dict[str, Any]:
-    headers = {k: v for k, v in delivery.headers.items() if k not in _STRIP_ON_REPUBLISH}
-    if delivery.content_type is None:
-        headers[NO_CONTENT_TYPE_HEADER] = True
-    headers.setdefault(ORIGINAL_EXCHANGE_HEADER, delivery.exchange)
-    headers.setdefault(ORIGINAL_ROUTING_KEY_HEADER, delivery.routing_key)
-    return headers
+        A frame already written for the tag (the copy's ack) wins: the tracker
+        then refuses this one.
+        """
+        if self.dead():
+            self.stale(1)
+            return Settle.STALE
+        self.spawn(self.nack(ticket.tag, requeue=True))
+        return Settle.REQUEUE
 
 
 def delivery_log(delivery: Delivery) -> Any:
     return get_logger(__name__).bind(
         queue=delivery.queue, message_id=delivery.message_id, attempt=delivery.attempt
     )
-
-
-def int_header(headers: Mapping[str, Any], name: str) -> int | None:
-    value = headers.get(name)
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, (str, bytes)):
-        try:
-            return int(value)
-        except ValueError:
-            return None
-    return None

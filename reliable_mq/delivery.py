@@ -2,41 +2,71 @@
 
 A handler normally lets the consumer settle the delivery from its outcome
 (return: ack, ``Retry``: retry, ``Reject``: dead-letter). It can also settle it
-itself with `Delivery.ack()`, `Delivery.retry()`,
-`Delivery.reject()` or `Delivery.nack()`. Only the first settle counts:
+itself with `Delivery.ack`, `Delivery.retry`,
+`Delivery.reject` or `Delivery.nack`. Only the first settle counts:
 a second one is a no-op that logs a warning and returns False, never a channel
-error.
+error. [`Delivery.outcome`][reliable_mq.delivery.Delivery.outcome] says how it
+ended.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from .log import get_logger
+from .headers import ATTEMPT_HEADER
 
-__all__ = ("ATTEMPT_HEADER", "Delivery", "Settler")
+__all__ = ("ATTEMPT_HEADER", "Delivery", "Settle", "Settler")
 
-ATTEMPT_HEADER = "x-reliable-mq-attempt"
-"""The header carrying the attempt number (1-based) of a retried message."""
 
-_log = get_logger(__name__)
+class Settle(enum.StrEnum):
+    """How a delivery was settled (what the broker was told)."""
+
+    ACK = "ack"
+    """Acked: handled (or, under ``ACK_FIRST``, taken)."""
+    DUPLICATE = "duplicate"
+    """Acked without running the handler: its message id was done already."""
+    RETRY = "retry"
+    """A copy went to a retry queue (attempt + 1), then the original was acked."""
+    DEAD_LETTER = "dead_letter"
+    """A copy went to the DLQ with reason headers, then the original was acked;
+    or, when no copy could be published, the broker dead-lettered it (reject)."""
+    DEFER = "defer"
+    """A copy went round the first retry queue unhandled (id busy elsewhere, or
+    the dedup store down), with the same attempt number."""
+    REQUEUE = "requeue"
+    """``basic.nack(requeue=true)``: back to the queue (shutdown, a handler's
+    ``nack()``, a store that could not record the id, or a copy that could not
+    be published anywhere)."""
+    REJECT = "reject"
+    """``basic.nack(requeue=false)`` asked by the handler: the broker dead-letters
+    it if the queue has a dead-letter exchange, else drops it."""
+    STALE = "stale"
+    """Nothing sent: the delivery's channel had died (the broker requeued it)."""
+    HOLD = "hold"
+    """Not a settle: leave the delivery unsettled for now (the handler runs next)."""
 
 
 class Settler(Protocol):
-    """What a delivery calls to settle itself (implemented by the consumer)."""
+    """What a delivery calls to settle itself (implemented by the consumer).
 
-    async def settle_ack(self, delivery: Delivery) -> None: ...
+    Each method returns True if it settled the delivery, False if it was
+    settled before (nothing is sent then).
+    """
 
-    async def settle_nack(self, delivery: Delivery, requeue: bool) -> None: ...
+    @property
+    def outcome(self) -> Settle | None:
+        """The settle chosen so far, or None."""
+        ...
 
-    async def settle_retry(
-        self, delivery: Delivery, reason: str, delay: float | None, error: BaseException | None
-    ) -> None: ...
+    async def settle_ack(self, delivery: Delivery) -> bool: ...
 
-    async def settle_dead_letter(
-        self, delivery: Delivery, reason: str, error: BaseException | None
-    ) -> None: ...
+    async def settle_nack(self, delivery: Delivery, requeue: bool) -> bool: ...
+
+    async def settle_retry(self, delivery: Delivery, reason: str, delay: float | None) -> bool: ...
+
+    async def settle_dead_letter(self, delivery: Delivery, reason: str) -> bool: ...
 
 
 class Delivery:
@@ -61,8 +91,6 @@ class Delivery:
     """
 
     __slots__ = (
-        "_dedup_owner",
-        "_outcome",
         "_settler",
         "attempt",
         "body",
@@ -111,43 +139,23 @@ class Delivery:
         self.delivery_tag = delivery_tag
         self.properties = properties
         self._settler = settler
-        self._outcome: str | None = None
-        self._dedup_owner: str | None = None  # set while this delivery holds a dedup claim
 
     def __repr__(self) -> str:
+        outcome = self.outcome
         return (
             f"Delivery(queue={self.queue!r}, message_id={self.message_id!r}, "
-            f"attempt={self.attempt}, outcome={self._outcome!r})"
+            f"attempt={self.attempt}, outcome={outcome.value if outcome else None!r})"
         )
 
     @property
     def settled(self) -> bool:
         """True once an outcome was chosen (by the handler or the consumer)."""
-        return self._outcome is not None
+        return self.outcome is not None
 
     @property
-    def outcome(self) -> str | None:
-        """``"ack"``, ``"retry"``, ``"dead_letter"``, ``"nack"``, ``"requeue"``,
-        ``"duplicate"`` (acked unhandled), ``"defer"`` (sent round a retry queue
-        unhandled), ``"stale"`` or None."""
-        return self._outcome
-
-    def claim(self, outcome: str) -> bool:
-        """Reserve the one settle of this delivery; False (and a warning) if taken.
-
-        Used by the consumer; user code settles through the methods below.
-        """
-        if self._outcome is not None:
-            _log.warning(
-                "delivery_already_settled",
-                queue=self.queue,
-                message_id=self.message_id,
-                first=self._outcome,
-                second=outcome,
-            )
-            return False
-        self._outcome = outcome
-        return True
+    def outcome(self) -> Settle | None:
+        """How the delivery was settled, or None while it is not."""
+        return self._settler.outcome if self._settler is not None else None
 
     def _require_settler(self) -> Settler:
         if self._settler is None:
@@ -160,11 +168,7 @@ class Delivery:
         Returns:
             True if this call settled the delivery, False if it was settled before.
         """
-        settler = self._require_settler()
-        if not self.claim("ack"):
-            return False
-        await settler.settle_ack(self)
-        return True
+        return await self._require_settler().settle_ack(self)
 
     async def retry(self, reason: str = "retry requested", *, delay: float | None = None) -> bool:
         """Republish to the retry queue for the next attempt (or the DLQ when out of attempts).
@@ -172,35 +176,26 @@ class Delivery:
         Returns:
             True if this call settled the delivery, False if it was settled before.
         """
-        settler = self._require_settler()
-        if not self.claim("retry"):
-            return False
-        await settler.settle_retry(self, reason, delay, None)
-        return True
+        return await self._require_settler().settle_retry(self, reason, delay)
 
     async def reject(self, reason: str = "rejected by handler") -> bool:
         """Dead-letter now: publish to the DLQ with ``reason`` in the headers, then ack.
 
+        The copy's ``x-reliable-mq-reason`` is ``rejected`` and
+        ``x-reliable-mq-error-message`` is ``reason``, as for a raised ``Reject``.
+
         Returns:
             True if this call settled the delivery, False if it was settled before.
         """
-        settler = self._require_settler()
-        if not self.claim("dead_letter"):
-            return False
-        await settler.settle_dead_letter(self, reason, None)
-        return True
+        return await self._require_settler().settle_dead_letter(self, reason)
 
     async def nack(self, *, requeue: bool = True) -> bool:
         """Send a plain ``basic.nack`` (requeue: back to the queue head, no delay).
 
-        Prefer `retry()`; with ``requeue=False`` the broker drops the message
+        Prefer `retry`; with ``requeue=False`` the broker drops the message
         unless the queue has a dead-letter exchange (the topology helper sets one).
 
         Returns:
             True if this call settled the delivery, False if it was settled before.
         """
-        settler = self._require_settler()
-        if not self.claim("nack"):
-            return False
-        await settler.settle_nack(self, requeue)
-        return True
+        return await self._require_settler().settle_nack(self, requeue)

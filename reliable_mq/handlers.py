@@ -12,6 +12,8 @@ The body's annotation picks the decoder: a pydantic model (JSON, validated),
 ``dict``/``list`` or any other type pydantic can validate (JSON), ``str``
 (UTF-8), ``bytes`` or no annotation (raw). A body that fails to decode is
 dead-lettered at once with the error in its headers; the handler never runs.
+That holds whatever the decoder raises (a validator's own ``KeyError``, JSON
+nested too deeply); only a ``MemoryError`` is retried instead.
 
 Handlers steer the outcome by raising `Retry` (delayed retry) or
 `Reject` (dead-letter now). These are control-flow signals, not errors:
@@ -26,7 +28,7 @@ import json
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, Unpack
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -39,6 +41,7 @@ __all__ = (
     "BodyDecodeError",
     "HandlerDedup",
     "HandlerFunc",
+    "HandlerOptions",
     "HandlerSpec",
     "Reject",
     "Retry",
@@ -173,6 +176,8 @@ def _json_decoder(body: bytes, content_type: str | None) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BodyDecodeError(f"invalid JSON: {exc}") from None
+    except RecursionError:
+        raise BodyDecodeError("invalid JSON: nested too deeply") from None
 
 
 def _describe_validation(exc: ValidationError) -> str:
@@ -197,6 +202,29 @@ def decoder_for(annotation: Any) -> BodyDecoder:
         return _adapter_decoder(annotation)
     except Exception:  # pydantic cannot build a validator: fall back to plain JSON
         return _json_decoder
+
+
+class HandlerOptions(TypedDict, total=False):
+    """Options of one handler, for ``handler()``, ``add_handler()`` and ``HandlerSpec.build()``.
+
+    Attributes:
+        ack_policy: what to do with the handler's outcome (default
+            ``AckPolicy.RETRY_ON_ERROR``); a string value is accepted.
+        queue_type: the queue type to declare (default classic); a string is accepted.
+        declare: declare the queue, its retry queues and DLQ on start (default True).
+            Only a work queue the consumer declared with its own arguments is known
+            to dead-letter to its DLQ, which the last-resort fallback for a copy
+            that cannot be published needs (see `docs/failure-semantics.md`).
+        queue_arguments: extra ``x-`` arguments for the work queue declaration.
+        dedup: this handler's de-duplication store, ``None`` for none, or
+            `USE_CONSUMER_DEDUP` (default: the consumer's ``dedup``).
+    """
+
+    ack_policy: AckPolicy | str
+    queue_type: QueueType | str
+    declare: bool
+    queue_arguments: dict[str, Any] | None
+    dedup: HandlerDedup
 
 
 @dataclass(frozen=True)
@@ -227,18 +255,19 @@ class HandlerSpec:
     queue_arguments: dict[str, Any] = field(default_factory=dict)
     dedup: HandlerDedup = USE_CONSUMER_DEDUP
 
+    @property
+    def queue_has_dlx(self) -> bool:
+        """True if the consumer declares the work queue dead-lettering to its DLQ.
+
+        Only then may a delivery be rejected without requeue as a last resort: a
+        queue declared elsewhere may have no dead-letter exchange (the broker would
+        drop the message), and a user-given one may route nowhere.
+        """
+        overridden = {"x-dead-letter-exchange", "x-dead-letter-routing-key"}
+        return self.declare and not overridden & self.queue_arguments.keys()
+
     @classmethod
-    def build(
-        cls,
-        queue: str,
-        func: HandlerFunc,
-        *,
-        ack_policy: AckPolicy = AckPolicy.RETRY_ON_ERROR,
-        queue_type: QueueType | str = QueueType.CLASSIC,
-        declare: bool = True,
-        queue_arguments: dict[str, Any] | None = None,
-        dedup: HandlerDedup = USE_CONSUMER_DEDUP,
-    ) -> HandlerSpec:
+    def build(cls, queue: str, func: HandlerFunc, **options: Unpack[HandlerOptions]) -> HandlerSpec:
         """Inspect ``func`` and build its spec.
 
         Raises:
@@ -288,16 +317,16 @@ class HandlerSpec:
             func=func,
             decode=decode,
             wants_delivery=wants_delivery,
-            ack_policy=AckPolicy(ack_policy),
-            queue_type=QueueType(queue_type),
-            declare=declare,
-            queue_arguments=dict(queue_arguments or {}),
-            dedup=dedup,
+            ack_policy=AckPolicy(options.get("ack_policy", AckPolicy.RETRY_ON_ERROR)),
+            queue_type=QueueType(options.get("queue_type", QueueType.CLASSIC)),
+            declare=options.get("declare", True),
+            queue_arguments=dict(options.get("queue_arguments") or {}),
+            dedup=options.get("dedup", USE_CONSUMER_DEDUP),
         )
 
 
 class Router:
-    """Collects handlers; a [`ReliableConsumer`][reliable_mq.consumer.ReliableConsumer] is one.
+    """Collects handlers; a `ReliableConsumer` is one.
 
     Build handlers in a module with a router, then
     ``consumer.include_router(router)``.
@@ -311,20 +340,12 @@ class Router:
         return tuple(self._specs.values())
 
     def add_handler(
-        self,
-        queue: str,
-        func: HandlerFunc,
-        *,
-        ack_policy: AckPolicy = AckPolicy.RETRY_ON_ERROR,
-        queue_type: QueueType | str = QueueType.CLASSIC,
-        declare: bool = True,
-        queue_arguments: dict[str, Any] | None = None,
-        dedup: HandlerDedup = USE_CONSUMER_DEDUP,
+        self, queue: str, func: HandlerFunc, **options: Unpack[HandlerOptions]
     ) -> HandlerSpec:
         """Register ``func`` for ``queue`` (one handler per queue).
 
         ``dedup`` overrides the consumer's de-duplication store for this
-        handler: a [`DedupStore`][reliable_mq.dedup.DedupStore], or ``None`` to run
+        handler: a `DedupStore`, or ``None`` to run
         every copy of a message.
 
         Raises:
@@ -333,15 +354,7 @@ class Router:
         """
         if queue in self._specs:
             raise ValueError(f"queue {queue!r} already has a handler")
-        spec = HandlerSpec.build(
-            queue,
-            func,
-            ack_policy=ack_policy,
-            queue_type=queue_type,
-            declare=declare,
-            queue_arguments=queue_arguments,
-            dedup=dedup,
-        )
+        spec = HandlerSpec.build(queue, func, **options)
         self._add_spec(spec)
         return spec
 
@@ -350,28 +363,11 @@ class Router:
             raise ValueError(f"queue {spec.queue!r} already has a handler")
         self._specs[spec.queue] = spec
 
-    def handler(
-        self,
-        queue: str,
-        *,
-        ack_policy: AckPolicy = AckPolicy.RETRY_ON_ERROR,
-        queue_type: QueueType | str = QueueType.CLASSIC,
-        declare: bool = True,
-        queue_arguments: dict[str, Any] | None = None,
-        dedup: HandlerDedup = USE_CONSUMER_DEDUP,
-    ) -> Callable[[_F], _F]:
-        """Decorator form of `add_handler()`; returns the function unchanged."""
+    def handler(self, queue: str, **options: Unpack[HandlerOptions]) -> Callable[[_F], _F]:
+        """Decorator form of `add_handler`; returns the function unchanged."""
 
         def register(func: _F) -> _F:
-            self.add_handler(
-                queue,
-                func,
-                ack_policy=ack_policy,
-                queue_type=queue_type,
-                declare=declare,
-                queue_arguments=queue_arguments,
-                dedup=dedup,
-            )
+            self.add_handler(queue, func, **options)
             return func
 
         return register

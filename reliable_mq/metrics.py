@@ -14,7 +14,13 @@ from dataclasses import dataclass, fields
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ("DEFAULT_EXCHANGE_LABEL", "ExchangeMetrics", "Metrics", "exchange_label")
+__all__ = (
+    "DEFAULT_EXCHANGE_LABEL",
+    "ExchangeMetrics",
+    "Metrics",
+    "QueueMetrics",
+    "exchange_label",
+)
 
 DEFAULT_EXCHANGE_LABEL = "amq.default"
 
@@ -51,6 +57,7 @@ class Metrics:
     dead_lettered: Counter
     stale_settles: Counter
     ack_batches: Counter
+    settle_fallbacks: Counter
     outbox_pending: Gauge
     outbox_oldest_age: Gauge
     outbox_dispatched: Counter
@@ -163,6 +170,13 @@ class Metrics:
             ack_batches=counter(
                 "ack_batches_total", "basic.ack frames sent (multiple or single).", "queue"
             ),
+            settle_fallbacks=counter(
+                "settle_fallbacks_total",
+                "Retry/DLQ/deferral copies that could not be published as built, by the rung "
+                "taken instead (trimmed_copy, broker_dead_letter, requeue_later).",
+                "queue",
+                "rung",
+            ),
             outbox_pending=gauge(
                 "outbox_pending_rows", "Outbox rows committed and not yet confirmed.", "table"
             ),
@@ -188,6 +202,10 @@ class Metrics:
                 registry=registry,
             ),
         )
+
+    def for_queue(self, queue: str) -> QueueMetrics:
+        """The labelled children of one consumed queue (``labels()`` is slow on a hot path)."""
+        return QueueMetrics(self, queue)
 
     def collectors(self) -> list[object]:
         """All collectors, for documentation and tests."""
@@ -255,6 +273,64 @@ class ExchangeMetrics:
         if child is None:
             child = self.failed[error] = self.metrics.publish_failed.labels(self.label, error)
         child.inc()
+
+
+_DEDUP_EVENTS = ("no_message_id", "busy", "store_unavailable", "complete_failed", "release_failed")
+
+
+class QueueMetrics:
+    """The consumer's collectors for one queue, labelled once.
+
+    Get one with [`Metrics.for_queue`][reliable_mq.metrics.Metrics.for_queue].
+    """
+
+    __slots__ = (
+        "ack_batches",
+        "acked",
+        "dead_lettered",
+        "dedup_events",
+        "deferred",
+        "duplicate",
+        "duplicates_skipped",
+        "duration",
+        "in_progress",
+        "metrics",
+        "queue",
+        "redeliveries",
+        "requeued",
+        "retried",
+        "stale",
+        "stale_settles",
+    )
+
+    def __init__(self, metrics: Metrics, queue: str) -> None:
+        self.metrics = metrics
+        self.queue = queue
+        deliveries = metrics.deliveries
+        self.acked = deliveries.labels(queue, "acked")
+        self.retried = deliveries.labels(queue, "retried")
+        self.dead_lettered = deliveries.labels(queue, "dead_lettered")
+        self.requeued = deliveries.labels(queue, "requeued")
+        self.stale = deliveries.labels(queue, "stale")
+        self.duplicate = deliveries.labels(queue, "duplicate")
+        self.deferred = deliveries.labels(queue, "deferred")
+        self.duplicates_skipped = metrics.duplicates_skipped.labels(queue)
+        self.redeliveries = metrics.redeliveries.labels(queue)
+        self.duration = metrics.handler_duration.labels(queue)
+        self.in_progress = metrics.in_progress.labels(queue)
+        self.stale_settles = metrics.stale_settles.labels(queue)
+        self.ack_batches = metrics.ack_batches.labels(queue)
+        self.dedup_events: dict[str, Counter] = {
+            event: metrics.dedup_events.labels(queue, event) for event in _DEDUP_EVENTS
+        }
+
+    def dead_letter_reason(self, reason: str) -> None:
+        """Count one message dead-lettered for ``reason``."""
+        self.metrics.dead_lettered.labels(self.queue, reason).inc()
+
+    def fallback(self, rung: str) -> None:
+        """Count one copy that could not be published as built, by the rung taken."""
+        self.metrics.settle_fallbacks.labels(self.queue, rung).inc()
 
 
 _LOCK = threading.Lock()

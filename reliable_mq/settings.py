@@ -247,7 +247,7 @@ class ConsumerSettings(_Settings):
     ``allow_unlimited_prefetch`` is set; the consumer then logs a warning.
     """
 
-    model_config = SettingsConfigDict(env_prefix="RELIABLE_MQ_CONSUMER_")
+    model_config = SettingsConfigDict(env_prefix="RELIABLE_MQ_CONSUMER_", allow_inf_nan=False)
 
     prefetch: int = Field(default=200, ge=0, le=65535, description="basic.qos prefetch count")
     allow_unlimited_prefetch: bool = False
@@ -274,6 +274,17 @@ class ConsumerSettings(_Settings):
     )
     republish_timeout: float = Field(
         default=30.0, gt=0, description="deadline of a retry/DLQ republish, seconds"
+    )
+    fallback_delay: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="seconds a delivery is held before it is requeued when no copy of it "
+        "(retry, DLQ, deferral) could be published and the broker cannot dead-letter it; "
+        "doubles for each such delivery in a row",
+    )
+    fallback_max_delay: float = Field(
+        default=30.0, gt=0, le=3600, description="the cap of that doubling hold, seconds"
     )
     dedup_lease: float | None = Field(
         default=None,
@@ -304,6 +315,8 @@ class ConsumerSettings(_Settings):
             raise ValueError(
                 "prefetch=0 means unlimited; set allow_unlimited_prefetch=True to ask for it"
             )
+        if self.fallback_max_delay < self.fallback_delay:
+            raise ValueError("fallback_max_delay must be >= fallback_delay")
         return self
 
     @property

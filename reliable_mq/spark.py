@@ -98,6 +98,9 @@ from .errors import (
     PublishUnroutable,
     ReliableMQError,
 )
+from .headers import SPARK_BATCH_ID_HEADER as HEADER_BATCH_ID
+from .headers import SPARK_PARTITION_HEADER as HEADER_PARTITION
+from .headers import SPARK_TASK_ATTEMPT_HEADER as HEADER_TASK_ATTEMPT
 from .log import get_logger
 from .metrics import Metrics
 from .publisher import PendingPublish, ReliablePublisher
@@ -119,9 +122,6 @@ __all__ = (
     "publish_dataframe",
 )
 
-HEADER_PARTITION = "x-spark-partition"
-HEADER_TASK_ATTEMPT = "x-spark-task-attempt"
-HEADER_BATCH_ID = "x-spark-batch-id"
 
 _JSON = "application/json"
 _T = TypeVar("_T")

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from reliable_mq._acks import AckTracker, TagState
-from reliable_mq._session import RouteMetrics, Session, Shared
+from reliable_mq._session import Session, Shared
 from reliable_mq.metrics import Metrics
 from reliable_mq.settings import ConsumerSettings
 
@@ -230,7 +230,7 @@ class _YieldingChannel:
 def _session(channel: _YieldingChannel, batch_size: int) -> Session:
     settings = ConsumerSettings(ack_batch_size=batch_size, ack_flush_interval=0.001)
     route = SimpleNamespace(
-        metrics=RouteMetrics(Metrics.on(CollectorRegistry()), "q"), dedup=None, queue="q"
+        metrics=Metrics.on(CollectorRegistry()).for_queue("q"), dedup=None, queue="q"
     )
     return Session(Shared(settings), route, channel)  # type: ignore[arg-type]
 

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from reliable_mq import InvalidSettings, ReliableMQError
 from reliable_mq.consumer import ReliableConsumer
-from reliable_mq.delivery import Delivery
+from reliable_mq.delivery import Delivery, Settle
 from reliable_mq.handlers import (
     AckPolicy,
     BodyDecodeError,
@@ -228,24 +228,34 @@ class TestTopology:
 
 
 class _Recorder:
+    """A settler that records what was asked and settles once, like the consumer's tickets."""
+
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self._outcome: Settle | None = None
 
-    async def settle_ack(self, delivery: Delivery) -> None:
-        self.calls.append("ack")
+    @property
+    def outcome(self) -> Settle | None:
+        return self._outcome
 
-    async def settle_nack(self, delivery: Delivery, requeue: bool) -> None:
-        self.calls.append(f"nack:{requeue}")
+    def _take(self, call: str, outcome: Settle) -> bool:
+        if self._outcome is not None:
+            return False
+        self._outcome = outcome
+        self.calls.append(call)
+        return True
 
-    async def settle_retry(
-        self, delivery: Delivery, reason: str, delay: float | None, error: BaseException | None
-    ) -> None:
-        self.calls.append(f"retry:{reason}")
+    async def settle_ack(self, delivery: Delivery) -> bool:
+        return self._take("ack", Settle.ACK)
 
-    async def settle_dead_letter(
-        self, delivery: Delivery, reason: str, error: BaseException | None
-    ) -> None:
-        self.calls.append(f"dead_letter:{reason}")
+    async def settle_nack(self, delivery: Delivery, requeue: bool) -> bool:
+        return self._take(f"nack:{requeue}", Settle.REQUEUE if requeue else Settle.REJECT)
+
+    async def settle_retry(self, delivery: Delivery, reason: str, delay: float | None) -> bool:
+        return self._take(f"retry:{reason}", Settle.RETRY)
+
+    async def settle_dead_letter(self, delivery: Delivery, reason: str) -> bool:
+        return self._take(f"dead_letter:{reason}", Settle.DEAD_LETTER)
 
 
 def _delivery(settler: _Recorder) -> Delivery:
@@ -264,17 +274,17 @@ def _delivery(settler: _Recorder) -> Delivery:
 
 
 class TestDelivery:
-    async def test_second_settle_is_a_noop(self, caplog: pytest.LogCaptureFixture) -> None:
-        """Only the first settle reaches the consumer; the second warns and returns False."""
+    async def test_outcome_comes_from_the_settler(self) -> None:
+        """Delivery.outcome is the settler's StrEnum; a second settle returns False."""
         recorder = _Recorder()
         delivery = _delivery(recorder)
+        assert delivery.outcome is None and not delivery.settled
         assert await delivery.ack()
-        with caplog.at_level("WARNING"):
-            assert not await delivery.reject("late")
-            assert not await delivery.nack()
+        assert not await delivery.reject("late")
         assert recorder.calls == ["ack"]
+        assert delivery.outcome is Settle.ACK
         assert delivery.outcome == "ack"
-        assert "delivery_already_settled" in caplog.text
+        assert "outcome='ack'" in repr(delivery)
 
     async def test_each_method_routes(self) -> None:
         """retry/reject/nack reach the matching settler method."""

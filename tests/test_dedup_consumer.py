@@ -579,7 +579,12 @@ class TestSharedRedisStore:
         assert not doubled
         assert set(effects) == set(ids)
         assert env.metric("reliable_mq_dedup_events_total", event="store_unavailable") > 0
-        assert stats.deferred > 0
+        # The outage met a claim (deferred: not run, not acked) or a mark after the
+        # effect (retried until Redis came back, never acked before). Which one
+        # depends on where the prefetch window stood at the kill: when every slot
+        # was past its handler, no claim happened during the outage.
+        completes_failed = env.metric("reliable_mq_dedup_events_total", event="complete_failed")
+        assert stats.deferred > 0 or completes_failed > 0
         assert stats.acked == len(ids)
 
 

@@ -3,11 +3,13 @@
 It costs a dictionary lookup per call, so it is the store to use when one
 consumer process sees every copy of a message. It protects nothing across
 processes or restarts, and under pressure (more than ``max_entries`` ids within
-the retention window) it forgets the least recently used ids first.
+the retention window) it forgets the least recently used *done* ids first; a
+claim still in progress is never forgotten.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 
@@ -23,9 +25,16 @@ _BUSY = ClaimResult.BUSY
 class MemoryDedupStore:
     """A [`DedupStore`][reliable_mq.dedup.DedupStore] for one process.
 
+    Claims in progress and done ids are kept apart: only done ids are evicted
+    (least recently used first), never a claim whose lease still runs, so a
+    second copy of a message cannot start while the first one runs, however
+    many other ids pass by. Claims count towards ``max_entries`` and may exceed
+    it while they are held (they are bounded by the deliveries in flight);
+    claims whose lease ended are dropped when room is needed.
+
     Args:
         max_entries: the most ids kept (claims and done ids); beyond it the
-            least recently used id is evicted.
+            least recently used done id is evicted.
         retention: seconds a done id is remembered after ``complete``.
     """
 
@@ -36,66 +45,91 @@ class MemoryDedupStore:
             raise ValueError("retention must be positive")
         self.max_entries = max_entries
         self.retention = float(retention)
-        # message_id -> (owner, expires_at); owner None means done.
-        self._entries: OrderedDict[str, tuple[str | None, float]] = OrderedDict()
+        self._done: OrderedDict[str, float] = OrderedDict()  # message_id -> expires_at
+        self._claims: dict[str, tuple[str, float]] = {}  # message_id -> (owner, lease end)
+        self._first_lease_end = math.inf  # no claim ends before this
         self._closed = False
 
     def __len__(self) -> int:
-        """Ids held now, expired ones included until they are touched or evicted."""
-        return len(self._entries)
+        """Ids held now (claims and done ids), expired ones included until dropped."""
+        return len(self._done) + len(self._claims)
 
     async def claim(self, message_id: str, *, owner: str, lease: float) -> ClaimResult:
-        """Claim ``message_id`` (see `DedupStore.claim()`)."""
+        """Claim ``message_id`` (see `DedupStore.claim`)."""
         return self.claim_nowait(message_id, owner=owner, lease=lease)
 
     async def complete(self, message_id: str, *, owner: str) -> None:
-        """Mark ``message_id`` done (see `DedupStore.complete()`)."""
+        """Mark ``message_id`` done (see `DedupStore.complete`)."""
         self.complete_nowait(message_id, owner=owner)
 
     async def release(self, message_id: str, *, owner: str) -> None:
-        """Drop ``owner``'s claim (see `DedupStore.release()`)."""
+        """Drop ``owner``'s claim (see `DedupStore.release`)."""
         self.release_nowait(message_id, owner=owner)
 
     def claim_nowait(self, message_id: str, *, owner: str, lease: float) -> ClaimResult:
-        """`claim()` without a coroutine (the consumer's hot path uses it)."""
+        """`claim` without a coroutine (the consumer's hot path uses it)."""
         if self._closed:
             raise DedupStoreUnavailable("the dedup store is closed")
         if lease <= 0:
             raise ValueError("lease must be positive")
-        entries = self._entries
         now = time.monotonic()
-        entry = entries.get(message_id)
-        if entry is not None and entry[1] > now:
-            entries.move_to_end(message_id)
-            return _BUSY if entry[0] is not None else _DONE
-        entries[message_id] = (owner, now + lease)
-        if entry is not None:
-            entries.move_to_end(message_id)
-        elif len(entries) > self.max_entries:
-            entries.popitem(last=False)
+        claims = self._claims
+        held = claims.get(message_id)
+        if held is not None:
+            if held[1] > now:
+                return _BUSY
+            # The holder's lease ended: it is taken over below.
+        else:
+            done = self._done
+            done_until = done.get(message_id)
+            if done_until is not None:
+                if done_until > now:
+                    done.move_to_end(message_id)
+                    return _DONE
+                del done[message_id]
+        until = now + lease
+        claims[message_id] = (owner, until)
+        self._first_lease_end = min(self._first_lease_end, until)
+        if held is None and len(claims) + len(self._done) > self.max_entries:
+            self._evict(now)
         return _CLAIMED
 
     def complete_nowait(self, message_id: str, *, owner: str) -> None:
-        """`complete()` without a coroutine."""
+        """`complete` without a coroutine."""
         if self._closed:
             raise DedupStoreUnavailable("the dedup store is closed")
-        entries = self._entries
-        present = message_id in entries
-        entries[message_id] = (None, time.monotonic() + self.retention)
+        self._claims.pop(message_id, None)  # done is a fact, whoever holds the lease
+        done = self._done
+        present = message_id in done
+        now = time.monotonic()
+        done[message_id] = now + self.retention
         if present:
-            entries.move_to_end(message_id)
-        elif len(entries) > self.max_entries:
-            entries.popitem(last=False)
+            done.move_to_end(message_id)
+        elif len(self._claims) + len(done) > self.max_entries:
+            self._evict(now)
 
     def release_nowait(self, message_id: str, *, owner: str) -> None:
-        """`release()` without a coroutine."""
+        """`release` without a coroutine."""
         if self._closed:
             raise DedupStoreUnavailable("the dedup store is closed")
-        entry = self._entries.get(message_id)
-        if entry is not None and entry[0] == owner:
-            del self._entries[message_id]
+        held = self._claims.get(message_id)
+        if held is not None and held[0] == owner:
+            del self._claims[message_id]
+
+    def _evict(self, now: float) -> None:
+        """Make room: done ids first (least recently used), then claims whose lease ended."""
+        done, claims = self._done, self._claims
+        while done and len(claims) + len(done) > self.max_entries:
+            done.popitem(last=False)
+        if len(claims) + len(done) > self.max_entries and now >= self._first_lease_end:
+            # Only claims are left. Never evict one in progress; drop the expired
+            # ones (their holders are gone). Only when one may have expired.
+            for message_id in [k for k, (_, until) in claims.items() if until <= now]:
+                del claims[message_id]
+            self._first_lease_end = min((until for _, until in claims.values()), default=math.inf)
 
     async def close(self) -> None:
         """Forget everything; later calls raise ``DedupStoreUnavailable``."""
         self._closed = True
-        self._entries.clear()
+        self._done.clear()
+        self._claims.clear()

@@ -1,0 +1,216 @@
+"""Settle frames of one consumer channel, in the order they were decided.
+
+`Frames` owns the channel's [`AckTracker`][reliable_mq._acks.AckTracker] and a
+lock: the tracker's state changes under the same lock as the frame is written,
+so a batched ``basic.ack(multiple=true)`` never overtakes a single settle of a
+tag it covers (the broker would close the channel: ``PRECONDITION_FAILED -
+unknown delivery tag``). Once the channel is gone, settles are dropped and
+counted as stale. `Shared` holds what every channel of one consumer shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from typing import Any, Literal
+
+from aiormq import Channel
+
+from ._acks import AckTracker
+from ._amqp_faults import AMQP_ERRORS
+from .metrics import QueueMetrics
+from .publisher import ReliablePublisher
+from .settings import ConsumerSettings
+
+__all__ = ("Frames", "Shared")
+
+_Frame = Literal["ack", "ack_multiple", "nack_requeue", "nack_drop"]
+
+
+class Shared:
+    """What every session of one consumer shares: settings, counters, the publisher."""
+
+    __slots__ = (
+        "ack_frames",
+        "acked",
+        "active",
+        "dead_lettered",
+        "deferred",
+        "delivered",
+        "duplicates",
+        "fallbacks",
+        "idle",
+        "max_active",
+        "publisher",
+        "rejected",
+        "requeued",
+        "retried",
+        "settings",
+        "stale",
+        "stopping",
+    )
+
+    def __init__(self, settings: ConsumerSettings) -> None:
+        self.settings = settings
+        self.publisher: ReliablePublisher | None = None
+        self.acked = self.retried = self.dead_lettered = 0
+        self.requeued = self.stale = self.ack_frames = 0
+        self.duplicates = self.deferred = self.rejected = self.fallbacks = 0
+        self.delivered = self.active = self.max_active = 0
+        self.stopping = False
+        self.idle: asyncio.Event | None = None
+
+    def enter(self) -> None:
+        """A delivery starts being processed."""
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        if self.idle is not None:
+            self.idle.clear()
+
+    def leave(self) -> None:
+        """A delivery's processing ended."""
+        self.active -= 1
+        if not self.active and self.idle is not None:
+            self.idle.set()
+
+
+class Frames:
+    """One channel's settle frames: batched acks, single acks and nacks, in decision order."""
+
+    def __init__(self, shared: Shared, metrics: QueueMetrics, channel: Channel) -> None:
+        self.shared = shared
+        self.metrics = metrics
+        self.channel = channel
+        self.alive = True
+        self.tracker = AckTracker()
+        self.lock = asyncio.Lock()
+        self.flush_handle: asyncio.TimerHandle | None = None
+        self.flush_tasks: set[asyncio.Task[None]] = set()
+        self.batch = shared.settings.batch_ack
+        self.batch_size = shared.settings.ack_batch_size
+
+    def dead(self) -> bool:
+        """True once the channel is gone (its delivery tags are void)."""
+        return not self.alive or self.channel.is_closed
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background; `end` cancels it with the channel."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.flush_tasks.add(task)
+        task.add_done_callback(self.flush_tasks.discard)
+
+    def stale(self, deliveries: int) -> None:
+        """Count settles dropped because the channel died."""
+        self.shared.stale += deliveries
+        self.metrics.stale_settles.inc(deliveries)
+        self.metrics.stale.inc(deliveries)
+
+    async def _write(self, kind: _Frame, tag: int, deliveries: int, *, wait: bool = False) -> bool:
+        """Write one settle frame; the caller holds `lock`. False if the channel is gone."""
+        channel = self.channel
+        if not self.alive or channel.is_closed:
+            self.stale(deliveries)
+            return False
+        try:
+            if kind == "ack":
+                await channel.basic_ack(tag, multiple=False, wait=wait)
+            elif kind == "ack_multiple":
+                await channel.basic_ack(tag, multiple=True, wait=wait)
+            elif kind == "nack_requeue":
+                await channel.basic_nack(tag, multiple=False, requeue=True, wait=wait)
+            else:
+                await channel.basic_nack(tag, multiple=False, requeue=False, wait=wait)
+        except AMQP_ERRORS:
+            self.alive = False
+            self.stale(deliveries)
+            return False
+        if kind.startswith("ack"):
+            self.shared.ack_frames += 1
+            self.metrics.ack_batches.inc()
+        return True
+
+    async def _settle_single(self, kind: _Frame, tag: int) -> None:
+        """Settle ``tag`` by its own frame, unless it was settled already.
+
+        The tracker's state changes under the same lock as the frame is written,
+        so frames leave in the order the tracker decided them: a multiple ack
+        decided after this settle can never overtake its frame, and one decided
+        before it (while the tag was still in progress) never reaches this tag.
+        """
+        async with self.lock:
+            if self.tracker.settle(tag):
+                await self._write(kind, tag, 1)
+
+    async def flush(self, *, stragglers: bool, wait: bool = False) -> None:
+        """Send the batched acks: the finished prefix, and optionally the stragglers."""
+        async with self.lock:
+            tag, count = self.tracker.take_prefix()
+            if tag is not None:
+                await self._write("ack_multiple" if count > 1 else "ack", tag, count, wait=wait)
+            if stragglers:
+                for single in self.tracker.take_stragglers():
+                    await self._write("ack", single, 1, wait=wait)
+
+    def _on_flush_timer(self) -> None:
+        self.flush_handle = None
+        if self.tracker.pending and not self.dead():
+            self.spawn(self.flush(stragglers=True))
+
+    def end(self) -> None:
+        """The channel is gone: stop timers and flushes (a write to a dead
+        connection can block forever in aiormq's bounded write queue)."""
+        self.alive = False
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        for task in list(self.flush_tasks):
+            task.cancel()
+
+    async def final_flush(self) -> None:
+        """Shutdown: send every batched ack now, and wait for the broker to take them."""
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        await self.flush(stragglers=True, wait=True)
+
+    async def ack(self, tag: int) -> None:
+        """Ack ``tag``, batched (when batch acks are on) or now."""
+        if self.dead():
+            self.stale(1)
+            return
+        if self.batch:
+            if not self.tracker.finish(tag):
+                return
+            if self.tracker.pending >= self.batch_size:
+                await self.flush(stragglers=False)
+            if self.tracker.pending and self.flush_handle is None:
+                self.flush_handle = asyncio.get_running_loop().call_later(
+                    self.shared.settings.ack_flush_interval, self._on_flush_timer
+                )
+        else:
+            await self._settle_single("ack", tag)
+
+    async def ack_now(self, tag: int) -> None:
+        """Ack ``tag`` in its own frame, now: used after a confirmed republish, so
+        a channel loss cannot leave both the copy and the original behind."""
+        if self.dead():
+            self.stale(1)
+            return
+        await self._settle_single("ack", tag)
+
+    async def nack(self, tag: int, *, requeue: bool) -> None:
+        if self.dead():
+            self.stale(1)
+            return
+        await self._settle_single("nack_requeue" if requeue else "nack_drop", tag)
+
+    def abort(self) -> None:
+        """Close the channel now: the broker requeues every delivery still unacked."""
+        self.alive = False
+        self.spawn(self._close_quietly())
+
+    async def _close_quietly(self) -> None:
+        with contextlib.suppress(*AMQP_ERRORS):
+            async with asyncio.timeout(5):
+                await self.channel.close()

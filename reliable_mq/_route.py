@@ -1,0 +1,199 @@
+"""One consumed queue (`Route`) and the task that keeps a channel consuming it (`ChannelKeeper`).
+
+Each route has one channel at a time, a `Session`. When the channel dies (a
+connection loss, a broker-side close, the broker cancelling our consumer), the
+keeper opens a new one and consumes again, backing off while it fails; it
+never gives up while the consumer runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from functools import partial
+from typing import Any, cast
+
+from aiormq import Channel
+from aiormq.abc import DeliveredMessage
+
+from ._amqp_faults import AMQP_ERRORS, classify
+from ._dedup_gate import DedupGate
+from ._session import Session, Shared
+from .connection import ConnectionSupervisor
+from .errors import ClosedError, ConsumerError
+from .handlers import HandlerSpec
+from .log import get_logger
+from .metrics import QueueMetrics
+from .settings import ConnectionSettings, ConsumerSettings
+from .topology import QueueTopology, QueueType, prepare_topology
+
+__all__ = ("ChannelKeeper", "OnMessage", "Route")
+
+OnMessage = Callable[["Route", Session, DeliveredMessage], Coroutine[Any, Any, None]]
+"""The per-delivery callback: ``(route, session, message)``."""
+
+
+class Route:
+    """One consumed queue: its handler, topology, metrics and current session."""
+
+    def __init__(
+        self,
+        spec: HandlerSpec,
+        settings: ConsumerSettings,
+        metrics: QueueMetrics,
+        name: str,
+        dedup: DedupGate | None = None,
+    ) -> None:
+        self.spec = spec
+        self.settings = settings
+        self.dedup = dedup
+        self.queue = spec.queue
+        self.topology = QueueTopology(
+            queue=spec.queue,
+            queue_type=spec.queue_type,
+            retry_delays=settings.retry_delays,
+            arguments=spec.queue_arguments,
+        )
+        self.quorum = spec.queue_type is QueueType.QUORUM
+        self.metrics = metrics
+        limit = settings.effective_concurrency
+        self.semaphore = asyncio.Semaphore(limit) if limit else None
+        self.session: Session | None = None
+        self.keeper: asyncio.Task[None] | None = None
+        self.ready = asyncio.Event()
+        self.log = get_logger(__name__).bind(connection=name, queue=spec.queue)
+        self.queue_has_dlx = False  # known once a channel is open (see ChannelKeeper.open)
+        self._unpublishable = 0  # deliveries requeued later in a row (no copy published)
+
+    def next_requeue_delay(self) -> float:
+        """The hold before requeueing a delivery no copy of which could be published.
+
+        Doubles with each such delivery in a row, up to ``fallback_max_delay``;
+        a copy published again resets it.
+        """
+        settings = self.settings
+        delay = settings.fallback_delay * 2 ** min(self._unpublishable, 30)
+        self._unpublishable += 1
+        return float(min(delay, settings.fallback_max_delay))
+
+    def copy_published(self) -> None:
+        self._unpublishable = 0
+
+
+class ChannelKeeper:
+    """Opens a route's channel, consumes, and reopens it whenever it dies."""
+
+    def __init__(
+        self,
+        supervisor: ConnectionSupervisor,
+        connection_settings: ConnectionSettings,
+        shared: Shared,
+        on_message: OnMessage,
+    ) -> None:
+        self.supervisor = supervisor
+        self.connection_settings = connection_settings
+        self.shared = shared
+        self.on_message = on_message
+        self.reopens = 0
+
+    async def open(self, route: Route, *, first: bool = False) -> None:
+        """Open a channel for ``route``, declare its topology, set prefetch and consume.
+
+        Raises:
+            ConsumerError: on the first open, the broker refused the queue
+                (e.g. it exists with other arguments).
+        """
+        connection = await self.supervisor.wait_connected()
+        aio_channel = None
+        try:
+            async with asyncio.timeout(self.connection_settings.connect_timeout):
+                check = await prepare_topology(
+                    connection, route.topology, declare=route.spec.declare
+                )
+                aio_channel = await connection.channel(publisher_confirms=False)
+                channel = cast(Channel, await aio_channel.get_underlay_channel())
+                await channel.basic_qos(prefetch_count=self.shared.settings.prefetch)
+                session = Session(self.shared, route, channel)
+                ok = await channel.basic_consume(
+                    route.queue, partial(self.on_message, route, session), no_ack=False
+                )
+        except BaseException as exc:
+            if aio_channel is not None and not aio_channel.is_closed:
+                with contextlib.suppress(*AMQP_ERRORS, asyncio.CancelledError):
+                    async with asyncio.timeout(2):
+                        await aio_channel.close()
+            fault = classify(exc)
+            if first and fault is not None and fault.refusal:
+                raise ConsumerError(f"cannot consume {route.queue!r}: {fault.describe()}") from exc
+            raise
+        session.consumer_tag = ok.consumer_tag
+        # Only a work queue declared with our arguments is known to dead-letter to
+        # its DLQ; an adopted one may drop what is rejected (the last-resort rung).
+        route.queue_has_dlx = route.spec.queue_has_dlx and not check.adopted
+        route.session = session
+        route.ready.set()
+        if first:
+            if check.adopted:
+                route.log.warning("queue_used_as_is", detail=check.warning(route.topology))
+            route.log.info(
+                "consuming", prefetch=self.shared.settings.prefetch, messages=check.messages
+            )
+        else:
+            route.log.debug("consuming", consumer_tag=ok.consumer_tag)
+
+    async def wait_end(self, session: Session) -> str:
+        """Wait until the channel closes, or the broker cancels our consumer.
+
+        A broker-side ``basic.cancel`` (the queue was deleted, a quorum leader
+        moved) leaves the channel open but silent: we close it and start over.
+        """
+        closing = session.channel.closing
+        while True:
+            done, _ = await asyncio.wait((closing,), timeout=1.0)
+            if done:
+                if closing.cancelled():
+                    return "closed"
+                exc = closing.exception()
+                return repr(exc) if exc is not None else "closed"
+            if (
+                not self.shared.stopping
+                and session.consumer_tag is not None
+                and session.consumer_tag not in session.channel.consumers
+            ):
+                session.alive = False
+                with contextlib.suppress(*AMQP_ERRORS):
+                    async with asyncio.timeout(5):
+                        await session.channel.close()
+                return "consumer cancelled by the broker"
+
+    def _stopping(self) -> bool:
+        """Re-read the flag (it changes while we await)."""
+        return self.shared.stopping
+
+    async def keep(self, route: Route) -> None:
+        """Wait for the route's channel to die; open a new one until stopped."""
+        failures = 0
+        while not self.shared.stopping:
+            session = route.session
+            if session is not None and session.alive:
+                reason = await self.wait_end(session)
+                session.end()
+                route.ready.clear()
+                if self._stopping():
+                    return
+                route.log.warning(
+                    "consumer_channel_lost", reason=reason[:300], in_flight=len(session.inflight)
+                )
+            try:
+                await self.open(route)
+            except ClosedError:
+                return
+            except Exception as exc:  # never give up while running; aiormq may raise RuntimeError
+                failures += 1
+                route.log.info("consumer_channel_open_failed", error=repr(exc), attempt=failures)
+                await asyncio.sleep(min(0.1 * 2**failures, 5.0))
+                continue
+            failures = 0
+            self.reopens += 1
+            route.log.info("consumer_channel_recovered")

@@ -1,0 +1,333 @@
+"""Issue 10, consumer side, against the real broker: no delivery can wedge, no copy can loop.
+
+Every wedge test runs with prefetch 1: a delivery left unsettled would hold the
+only slot and stop the queue. After each one the queue must keep flowing (a
+good message behind the bad one is handled), ``stats().in_progress`` must be 0,
+and the bad message must be retried or dead-lettered with the reason in its
+headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import aio_pika
+import pytest
+from pydantic import BaseModel, field_validator
+
+from reliable_mq import PublisherSettings
+from reliable_mq.consumer import ReliableConsumer
+from reliable_mq.dedup import ClaimResult, MemoryDedupStore
+from reliable_mq.delivery import Delivery
+from reliable_mq.handlers import AckPolicy, Reject
+from reliable_mq.headers import (
+    ATTEMPT_HEADER,
+    DROPPED_HEADERS_HEADER,
+    ERROR_MESSAGE_HEADER,
+    ERROR_TYPE_HEADER,
+    REASON_HEADER,
+)
+from tests.test_consumer_broker import URL, Env, _env, drain, wait_until  # noqa: F401 (_env: fixture)
+
+pytestmark = pytest.mark.rabbitmq
+
+FAST = {"prefetch": 1, "retry_delays": (0.2,), "max_attempts": 2, "handler_timeout": 30.0}
+
+
+class Picky(BaseModel):
+    n: int
+
+    @field_validator("n")
+    @classmethod
+    def _check(cls, value: int) -> int:
+        if value == 13:
+            raise KeyError("unlucky")  # not a ValueError: pydantic lets it through
+        return value
+
+
+class Opaque:
+    """An annotation pydantic cannot build a validator for: bodies fall back to json.loads."""
+
+
+def _recurse(depth: int) -> int:
+    return _recurse(depth + 1) + 1
+
+
+async def _publish_raw(queue: str, body: bytes, message_id: str, **kw: Any) -> None:
+    connection = await aio_pika.connect(URL)
+    async with connection:
+        channel = await connection.channel()
+        message = aio_pika.Message(body, message_id=message_id, **kw)
+        await channel.default_exchange.publish(message, routing_key=queue)
+
+
+async def _settled(consumer: ReliableConsumer) -> None:
+    """Wait until nothing is in a handler, then check it stays so."""
+    await wait_until(lambda: consumer.stats().in_progress == 0, 10, "in_progress 0")
+
+
+def _dead(messages: list[Any]) -> dict[str, dict[str, Any]]:
+    return {m.message_id: dict(m.headers) for m in messages}
+
+
+class TestWedges:
+    """The three triggers of issue 10 item 1, and their cousins: each ends settled."""
+
+    async def test_validator_raising_key_error_is_dead_lettered(self, env: Env) -> None:
+        """A pydantic validator raising KeyError: the DLQ (invalid_body), not a wedge."""
+        consumer = env.consumer(**FAST)
+        handled: list[int] = []
+
+        @consumer.handler(env.queue)
+        async def handler(body: Picky) -> None:
+            handled.append(body.n)
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([{"n": 13}, {"n": 1}], ids=["bad", "good"])
+            await wait_until(lambda: handled == [1], 10, "the good message behind the bad one")
+            await _settled(consumer)
+            assert consumer.stats().dead_lettered == 1
+        dead = _dead(await drain(consumer.topology(env.queue).dead_letter_queue))
+        assert dead["bad"][REASON_HEADER] == "invalid_body"
+        assert dead["bad"][ERROR_TYPE_HEADER] == "KeyError"
+        assert "unlucky" in str(dead["bad"][ERROR_MESSAGE_HEADER])
+        assert await drain(env.queue) == []
+
+    async def test_handler_raising_cancelled_error_is_retried(self, env: Env) -> None:
+        """A handler raising CancelledError itself (not our timeout, shutdown or dead
+        channel) is an error: retried, then dead-lettered; the consumer goes on."""
+        consumer = env.consumer(**FAST)
+        attempts: list[int] = []
+        handled: list[str] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            if delivery.message_id == "bad":
+                attempts.append(delivery.attempt)
+                raise asyncio.CancelledError("from the handler")
+            handled.append(delivery.message_id)
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"x", b"y"], ids=["bad", "good"])
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(lambda: handled == ["good"], 10, "the good message")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert attempts == [1, 2]
+        assert (stats.retried, stats.acked, stats.channel_reopens) == (1, 1, 0)
+        dead = _dead(await drain(consumer.topology(env.queue).dead_letter_queue))
+        assert dead["bad"][REASON_HEADER] == "max_attempts"
+        assert dead["bad"][ERROR_TYPE_HEADER] == "CancelledError"
+
+    async def test_deeply_nested_json_is_dead_lettered(self, env: Env) -> None:
+        """A 100,000-deep JSON array for an annotation that falls back to json.loads."""
+        consumer = env.consumer(**FAST)
+        handled: list[Any] = []
+
+        @consumer.handler(env.queue)
+        async def handler(body: Opaque) -> None:
+            handled.append(body)
+
+        env.track(consumer)
+        deep = b"[" * 100_000 + b"]" * 100_000
+        async with consumer:
+            await env.publish(
+                [deep, b'{"ok": 1}'], ids=["deep", "good"], content_type="application/json"
+            )
+            await wait_until(lambda: handled == [{"ok": 1}], 10, "the good message")
+            await _settled(consumer)
+        dead = _dead(await drain(consumer.topology(env.queue).dead_letter_queue))
+        assert dead["deep"][REASON_HEADER] == "invalid_body"
+        assert "nested too deeply" in str(dead["deep"][ERROR_MESSAGE_HEADER])
+
+    async def test_recursion_and_memory_errors_in_the_handler(self, env: Env) -> None:
+        """RecursionError and MemoryError are handler errors like any other."""
+        consumer = env.consumer(**FAST)
+        handled: list[str] = []
+
+        @consumer.handler(env.queue, ack_policy=AckPolicy.DEAD_LETTER_ON_ERROR)
+        async def handler(delivery: Delivery) -> None:
+            if delivery.message_id == "recursion":
+                _recurse(0)
+            if delivery.message_id == "memory":
+                raise MemoryError("no room")
+            handled.append(delivery.message_id)
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"1", b"2", b"3"], ids=["recursion", "memory", "good"])
+            await wait_until(lambda: handled == ["good"], 10, "the good message")
+            await _settled(consumer)
+        dead = _dead(await drain(consumer.topology(env.queue).dead_letter_queue))
+        assert dead["recursion"][ERROR_TYPE_HEADER] == "RecursionError"
+        assert dead["memory"][ERROR_TYPE_HEADER] == "MemoryError"
+        assert {h[REASON_HEADER] for h in dead.values()} == {"handler_error"}
+
+    async def test_dedup_store_raising_anything_defers(self, env: Env) -> None:
+        """A store raising an unexpected error (not DedupStoreUnavailable) defers the
+        delivery instead of wedging it; it runs once the store answers."""
+
+        class Flaky(MemoryDedupStore):
+            failures = 2
+
+            async def claim(self, message_id: str, *, owner: str, lease: float) -> ClaimResult:
+                if self.failures:
+                    self.failures -= 1
+                    raise RuntimeError("store bug")
+                return await super().claim(message_id, owner=owner, lease=lease)
+
+        store = Flaky()
+        consumer = env.consumer(dedup=store, **FAST)
+        handled: list[str] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            handled.append(delivery.message_id)
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"x"], ids=["m"])
+            await wait_until(lambda: handled == ["m"], 10, "handled after the store answers")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert (stats.deferred, stats.acked) == (2, 1)
+        await store.close()
+
+
+async def _ctl(*args: str) -> str:
+    """Run rabbitmqctl; its stderr ("" on success)."""
+    process = await asyncio.create_subprocess_exec(
+        "rabbitmqctl",
+        "-q",
+        *args,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(process.communicate(), 60)
+    return err.decode(errors="replace") or ("" if process.returncode == 0 else "failed")
+
+
+class Policy:
+    """A broker policy on our own uuid-named queues only, removed afterwards."""
+
+    def __init__(self, pattern: str, definition: str) -> None:
+        self.name = f"test-hardening-{uuid.uuid4().hex[:10]}"
+        self.pattern = pattern
+        self.definition = definition
+
+    async def __aenter__(self) -> Policy:
+        args = ("set_policy", "--apply-to", "queues", self.name, self.pattern, self.definition)
+        error = await _ctl(*args)
+        assert not error, error
+        return self
+
+    async def clear(self) -> None:
+        await _ctl("clear_policy", self.name)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.clear()
+
+
+REFUSE_ALL = '{"max-length": 0, "overflow": "reject-publish"}'
+
+
+def _fallbacks(env: Env, rung: str) -> float:
+    labels = {"queue": env.queue, "rung": rung}
+    return env.registry.get_sample_value("reliable_mq_settle_fallbacks_total", labels) or 0.0
+
+
+class TestUnpublishableCopies:
+    """Issue 10 item 2, consumer side: a copy that cannot be published never loops."""
+
+    async def test_retry_copy_over_frame_max_is_trimmed(self, env: Env) -> None:
+        """Headers that fit on delivery but not once ours are added: a trimmed copy
+        (the large header dropped and named) carries the retry; the rest is unchanged."""
+        consumer = env.consumer(**FAST)
+        seen: list[tuple[int, dict[str, Any]]] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            seen.append((delivery.attempt, dict(delivery.headers)))
+            if delivery.attempt == 1:
+                raise ValueError("e" * 2000)  # ~1,000 more bytes of last-error header
+
+        env.track(consumer)
+        async with consumer:
+            big = "x" * 130_500  # frame_max is 131,072: the original fits
+            await _publish_raw(env.queue, b"body", "big", headers={"big": big, "keep": 1})
+            await wait_until(lambda: len(seen) == 2, 15, "the retried attempt")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert seen[0][1]["big"] == big
+        attempt, headers = seen[1]
+        assert attempt == 2 and headers[ATTEMPT_HEADER] == 2
+        assert "big" not in headers and "keep" not in headers
+        assert headers[DROPPED_HEADERS_HEADER] == "big,keep"
+        assert (stats.retried, stats.acked, stats.fallbacks, stats.requeued) == (1, 1, 1, 0)
+        assert _fallbacks(env, "trimmed_copy") == 1
+        assert await drain(env.queue) == []
+
+    async def test_refused_retry_copy_is_dead_lettered_by_the_broker(self, env: Env) -> None:
+        """The retry queue refuses every copy (nacks): the broker dead-letters the
+        original onto the work queue's DLX; the queue keeps flowing."""
+        consumer = env.consumer(publisher_settings=PublisherSettings(max_attempts=2), **FAST)
+        handled: list[str] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            if delivery.message_id == "bad":
+                raise ValueError("fails")
+            handled.append(delivery.message_id)
+
+        env.track(consumer)
+        async with Policy(rf"^{env.queue}\.retry\.", REFUSE_ALL):
+            async with consumer:
+                await env.publish([b"x", b"y"], ids=["bad", "good"])
+                await wait_until(lambda: handled == ["good"], 15, "the good message")
+                await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+                await _settled(consumer)
+                stats = consumer.stats()
+        assert (stats.retried, stats.fallbacks) == (0, 1)
+        assert _fallbacks(env, "broker_dead_letter") == 1
+        dead = await drain(consumer.topology(env.queue).dead_letter_queue)
+        assert [m.message_id for m in dead] == ["bad"]
+        death = dead[0].headers["x-death"][0]
+        assert (death["reason"], death["queue"]) == ("rejected", env.queue)
+        assert await drain(env.queue) == []
+
+    async def test_refused_dlq_copy_is_held_and_requeued_never_lost(self, env: Env) -> None:
+        """The DLQ itself refuses: dead-lettering into it would drop the message, so it
+        is requeued after a growing hold (no spin); once the DLQ takes it, it ends there."""
+        consumer = env.consumer(
+            publisher_settings=PublisherSettings(max_attempts=2),
+            fallback_delay=0.3,
+            **FAST,
+        )
+        calls = 0
+
+        @consumer.handler(env.queue)
+        async def handler(body: bytes) -> None:
+            nonlocal calls
+            calls += 1
+            raise Reject("poison")
+
+        env.track(consumer)
+        dlq = consumer.topology(env.queue).dead_letter_queue
+        async with Policy(f"^{dlq}$", REFUSE_ALL) as refusing, consumer:
+            await env.publish([b"x"], ids=["poison"])
+            await wait_until(lambda: consumer.stats().requeued >= 2, 15, "two holds")
+            # Holds of 0.3 s then 0.6 s: a spinning consumer would have run it hundreds of times.
+            assert calls <= 4
+            await refusing.clear()
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 20, "in the DLQ")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert stats.fallbacks >= 2
+        assert _fallbacks(env, "requeue_later") >= 2
+        dead = _dead(await drain(dlq))
+        assert dead["poison"][REASON_HEADER] == "rejected"
+        assert await drain(env.queue) == []
