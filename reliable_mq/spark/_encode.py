@@ -10,7 +10,7 @@ lists of pairs; both are accepted.
 Three flavours:
 
 * **body**: JSON following Spark's ``to_json`` where it is faithful: column
-  order kept, timestamps ISO-8601 with the offset of the session time zone,
+  order kept (map keys sorted: PySpark's conversion loses map order), timestamps ISO-8601 with the offset of the session time zone,
   decimals as plain numbers at their scale (``0.0000001``, never ``1E-7``),
   binary as base64, FLOAT in its shortest float32 form. Unlike ``to_json``:
   null fields are written (``"c":null``) and timestamps keep microseconds.
@@ -18,7 +18,8 @@ Three flavours:
   UTC instants (``...Z``), so two instants of a DST fold never merge, and the
   text never depends on the session or worker time zone.
 * **header**: AMQP header values (str, int, float, bool, bytes, None); dates,
-  timestamps and decimals as text so no precision is lost.
+  timestamps, decimals and doubles as text so no precision is lost (pamqp
+  writes every Python float as an AMQP float32).
 """
 
 from __future__ import annotations
@@ -268,15 +269,13 @@ def _array(element: Encode) -> Encode:
 def _map(data_type: MapType, path: str, style: _BodyStyle | None) -> Encode:
     key_text = _map_key(data_type.keyType)
     value_text = _json(data_type.valueType, path + "{}", style)
-    canonical = style is None
 
     def encode(value: Any) -> str:
         if value is None:
             return "null"
         pairs = value.items() if isinstance(value, dict) else value
-        texts = [(key_text(k), value_text(v)) for k, v in pairs]
-        if canonical:
-            texts.sort()
+        # Sorted in bodies too: PySpark's row conversion does not keep map order.
+        texts = sorted([(key_text(k), value_text(v)) for k, v in pairs])
         return "{" + ",".join([k + ":" + v for k, v in texts]) + "}"
 
     return encode
@@ -378,9 +377,11 @@ def header_encoder(
     if isinstance(data_type, (StringType, CharType, VarcharType, BooleanType, IntegralType)):
         return _identity
     if isinstance(data_type, BinaryType):
-        return lambda v: None if v is None else bytes(v)
-    if isinstance(data_type, (FloatType, DoubleType)):
-        return _header_float(path, non_finite)
+        return lambda v: None if v is None else bytearray(v)  # AMQP byte array
+    if isinstance(data_type, FloatType):  # AMQP's float is float32: exact
+        return _header_float(path, non_finite, as_text=False)
+    if isinstance(data_type, DoubleType):  # pamqp would narrow it to float32: text
+        return _header_float(path, non_finite, as_text=True)
     if isinstance(data_type, NullType):
         return lambda v: None
     text = body_encoder(data_type, path, zone, non_finite)
@@ -395,10 +396,12 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _header_float(path: str, non_finite: NonFinite) -> HeaderEncode:
+def _header_float(path: str, non_finite: NonFinite, *, as_text: bool) -> HeaderEncode:
     def encode(value: Any) -> Any:
-        if value is None or math.isfinite(value):
-            return value
+        if value is None:
+            return None
+        if math.isfinite(value):
+            return repr(value) if as_text else value
         if non_finite is NonFinite.STRING:
             return _NON_FINITE_TEXT.get(value, "NaN")
         if non_finite is NonFinite.NULL:
