@@ -271,8 +271,8 @@ def _fields_from_options(options: Mapping[str, str]) -> dict[str, Any]:
     return fields
 
 
-_DATA_SOURCE_OPTIONS = frozenset({"check_destination", "path"})
-"""Options read by the data source itself, not by the spec."""
+_DATA_SOURCE_OPTIONS = frozenset({"check_destination", "path", "checkpointlocation"})
+"""Options of the data source itself or of Spark (``checkpointLocation``), not of the spec."""
 
 
 def _names(value: str) -> list[str]:

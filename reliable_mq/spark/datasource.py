@@ -53,8 +53,18 @@ __all__ = (
 
 
 def register_data_source(spark: SparkSession) -> None:
-    """Make ``format("rabbitmq")`` available in ``spark`` (once per session)."""
+    """Make ``format("rabbitmq")`` available in ``spark``, for the calling thread.
+
+    Spark (4.3 seen) looks a Python data source up through the JVM thread's
+    *active* session, which a thread other than the one that built the session
+    does not have: ``save()`` there fails with ``DATA_SOURCE_NOT_FOUND``. So
+    this also makes ``spark`` the active session of the calling thread (classic
+    sessions). Call it in every thread that writes with ``format("rabbitmq")``.
+    """
     spark.dataSource.register(RabbitMQDataSource)
+    jvm, jsession = getattr(spark, "_jvm", None), getattr(spark, "_jsparkSession", None)
+    if jvm is not None and jsession is not None:  # not under Spark Connect
+        jvm.SparkSession.setActiveSession(jsession)
 
 
 class RabbitMQDataSource(DataSource):
