@@ -164,7 +164,7 @@ class TestTypeMatrix:
         """docs/spark.md lists exactly these types, values, bodies and headers."""
         text = DOCS.read_text()
         for spark_type, sql, body, header in MATRIX:
-            row = f"| {spark_type} | `{sql}` | `{body}` | `{header!r}` |"
+            row = f"| `{spark_type}` | `{sql}` | `{body}` | `{header!r}` |"
             assert text.count(row) == 1, row
 
     def test_unsupported_types_fail_on_the_driver_before_any_job(
