@@ -1,64 +1,49 @@
-"""Publish throughput: reliable_mq streaming vs raw aio-pika, in one run.
+"""Publish throughput and CPU per message: reliable_mq vs raw aio-pika and pika, in one run.
 
 Every variant publishes the same persistent 256-byte messages to its own fresh
-durable queue on the same broker. Ratios are against raw aio-pika pipelined
-confirms with the same window; compare only figures from one run (rates drift
-by 25% or more between runs on shared machines).
+durable queue on the same broker, one after another, round after round
+(interleaved, so drift hits every variant alike), and the clock stops when the
+broker holds every message (confirmed variants: when the last confirm is in;
+unconfirmed ones: when the queue depth reaches the count). Reported: the
+median rate, the ratio against aio-pika *unconfirmed* and against pika
+*unconfirmed*, and the client's and the broker's CPU per message (process CPU
+time of this process and of the broker's ``beam.smp``, divided by messages).
 
-    python bench/publish.py [--messages 20000] [--window 1000] [--rounds 1]
+    python bench/publish.py [--messages 20000] [--window 1000] [--rounds 3] [--uvloop]
+                            [--json results.json]
+
+``--json`` writes the medians for ``bench/plot.py`` (the chart in docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import os
 import statistics
+import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aio_pika
+import pika
 from prometheus_client import CollectorRegistry
 
-from reliable_mq import PublisherSettings, ReliablePublisher
+from reliable_mq import Message, PublisherSettings, ReliablePublisher
 
-URL = "amqp://guest:guest@127.0.0.1:5672/"
+URL = os.environ.get("BENCH_URL", "amqp://guest:guest@127.0.0.1:5672/")
 BODY = b"x" * 256
+AIO_UNCONFIRMED = "aio-pika, no confirms"
+PIKA_UNCONFIRMED = "pika BlockingConnection, no confirms"
 
 
-async def raw_naive(queue: str, count: int, window: int) -> None:
-    """aio-pika, awaiting each confirm before the next publish."""
-    connection = await aio_pika.connect(URL)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        exchange = channel.default_exchange
-        for index in range(count):
-            message = aio_pika.Message(
-                BODY, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, message_id=str(index)
-            )
-            await exchange.publish(message, routing_key=queue)
-
-
-async def raw_pipelined(queue: str, count: int, window: int) -> None:
-    """aio-pika with confirms, ``window`` publishes in flight (semaphore)."""
-    connection = await aio_pika.connect(URL)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        exchange = channel.default_exchange
-        slots = asyncio.Semaphore(window)
-
-        async def one(index: int) -> None:
-            async with slots:
-                message = aio_pika.Message(
-                    BODY, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, message_id=str(index)
-                )
-                await exchange.publish(message, routing_key=queue)
-
-        await asyncio.gather(*(one(index) for index in range(count)))
-
-
-async def raw_unconfirmed(queue: str, count: int, window: int) -> None:
-    """aio-pika without confirms (the fire-and-forget ceiling; not loss-proof)."""
+async def aio_unconfirmed(queue: str, count: int, window: int) -> None:
+    """aio-pika without confirms: the fire-and-forget ceiling (not loss-proof)."""
     connection = await aio_pika.connect(URL)
     async with connection:
         channel = await connection.channel(publisher_confirms=False)
@@ -68,85 +53,229 @@ async def raw_unconfirmed(queue: str, count: int, window: int) -> None:
                 BODY, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, message_id=str(index)
             )
             await exchange.publish(message, routing_key=queue)
-        # the clock stops when the queue holds everything, so the figure is comparable
-        await wait_for_depth(channel, queue, count)
 
 
-async def wait_for_depth(channel: aio_pika.abc.AbstractChannel, queue: str, count: int) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        declared = await channel.declare_queue(queue, durable=True, passive=True)
-        depth = declared.declaration_result.message_count
-        if depth >= count:
-            return
-        await asyncio.sleep(0.005)
-    raise SystemExit(f"{queue}: holds {depth}, expected {count}")
+async def aio_confirmed_gather(queue: str, count: int, window: int) -> None:
+    """aio-pika with confirms, publishes gathered in chunks of ``window``."""
+    connection = await aio_pika.connect(URL)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = channel.default_exchange
+
+        def one(index: int) -> Awaitable[object]:
+            message = aio_pika.Message(
+                BODY, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, message_id=str(index)
+            )
+            return exchange.publish(message, routing_key=queue)
+
+        for start in range(0, count, window):
+            await asyncio.gather(*(one(i) for i in range(start, min(start + window, count))))
 
 
-async def reliable_gather(queue: str, count: int, window: int) -> None:
-    """reliable_mq: ``count`` concurrent publish() calls, ``window`` in flight."""
-    settings = PublisherSettings(max_in_flight=window)
-    async with ReliablePublisher(URL, settings=settings, registry=CollectorRegistry()) as publisher:
-        await asyncio.gather(*(publisher.publish(BODY, routing_key=queue) for _ in range(count)))
+async def pika_unconfirmed(queue: str, count: int, window: int) -> None:
+    """pika's BlockingConnection without confirms, in a thread."""
+
+    def run() -> None:
+        connection = pika.BlockingConnection(pika.URLParameters(URL))
+        channel = connection.channel()
+        properties = pika.BasicProperties(delivery_mode=2)
+        for index in range(count):
+            properties.message_id = str(index)
+            channel.basic_publish("", queue, BODY, properties)
+        connection.close()
+
+    await asyncio.to_thread(run)
 
 
-async def reliable_enqueue(queue: str, count: int, window: int) -> None:
-    """reliable_mq: a producer loop calling enqueue(), then one flush()."""
-    settings = PublisherSettings(max_in_flight=window)
-    async with ReliablePublisher(URL, settings=settings, registry=CollectorRegistry()) as publisher:
+def _settings(window: int) -> PublisherSettings:
+    return PublisherSettings(max_in_flight=window)
+
+
+async def rmq_publish_many(queue: str, count: int, window: int) -> None:
+    """reliable_mq ``publish_many()``: the stream API."""
+    async with ReliablePublisher(
+        URL, settings=_settings(window), registry=CollectorRegistry()
+    ) as publisher:
+        await publisher.publish_many(Message(BODY, routing_key=queue) for _ in range(count))
+
+
+async def rmq_gather(queue: str, count: int, window: int) -> None:
+    """reliable_mq ``publish()`` calls gathered in chunks of ``window``."""
+    async with ReliablePublisher(
+        URL, settings=_settings(window), registry=CollectorRegistry()
+    ) as publisher:
+        for start in range(0, count, window):
+            await asyncio.gather(
+                *(
+                    publisher.publish(BODY, routing_key=queue)
+                    for _ in range(min(window, count - start))
+                )
+            )
+
+
+async def rmq_enqueue(queue: str, count: int, window: int) -> None:
+    """reliable_mq ``enqueue()`` in a loop, then one ``flush()``."""
+    async with ReliablePublisher(
+        URL, settings=_settings(window), registry=CollectorRegistry()
+    ) as publisher:
         for _ in range(count):
             await publisher.enqueue(BODY, routing_key=queue)
         await publisher.flush()
 
 
-VARIANTS: dict[str, Callable[[str, int, int], Awaitable[None]]] = {
-    "raw aio-pika naive (await each confirm)": raw_naive,
-    "raw aio-pika pipelined confirms": raw_pipelined,
-    "raw aio-pika no confirms": raw_unconfirmed,
-    "reliable_mq publish() x gather": reliable_gather,
-    "reliable_mq enqueue() + flush()": reliable_enqueue,
+Variant = Callable[[str, int, int], Awaitable[None]]
+VARIANTS: dict[str, tuple[Variant, bool]] = {
+    AIO_UNCONFIRMED: (aio_unconfirmed, False),
+    PIKA_UNCONFIRMED: (pika_unconfirmed, False),
+    "aio-pika, confirms, gather window": (aio_confirmed_gather, True),
+    "reliable_mq publish_many()": (rmq_publish_many, True),
+    "reliable_mq publish() gathered": (rmq_gather, True),
+    "reliable_mq enqueue() + flush()": (rmq_enqueue, True),
 }
-BASELINE = "raw aio-pika pipelined confirms"
 
 
-async def measure(
-    name: str, run: Callable[[str, int, int], Awaitable[None]], count: int, window: int
-) -> float:
+def broker_pid() -> int | None:
+    """The pid of the process listening on the broker's AMQP port (ss needs no root for it)."""
+    port = URL.rsplit(":", 1)[-1].split("/", 1)[0] or "5672"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        listing = subprocess.run(
+            ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, check=False
+        ).stdout
+        for part in listing.split("pid=")[1:]:
+            return int(part.split(",", 1)[0])
+    return None
+
+
+BROKER_PID = broker_pid()
+
+
+def broker_cpu_seconds() -> float | None:
+    """CPU seconds used so far by the broker process (None if it cannot be read)."""
+    if BROKER_PID is None:
+        return None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{BROKER_PID}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return None
+
+
+@dataclass
+class Sample:
+    rate: float
+    client_us: float
+    broker_us: float | None
+
+
+async def wait_for_depth(channel: aio_pika.abc.AbstractChannel, queue: str, count: int) -> None:
+    deadline = time.monotonic() + 60
+    depth = -1
+    while time.monotonic() < deadline:
+        declared = await channel.declare_queue(queue, durable=True, passive=True)
+        depth = declared.declaration_result.message_count or 0
+        if depth >= count:
+            return
+        await asyncio.sleep(0.002)
+    raise SystemExit(f"{queue}: holds {depth}, expected {count}")
+
+
+async def measure(run: Variant, count: int, window: int) -> Sample:
     queue = f"bench-publish-{uuid.uuid4().hex[:8]}"
     connection = await aio_pika.connect(URL)
     async with connection:
         channel = await connection.channel()
         declared = await channel.declare_queue(queue, durable=True)
-        # the naive loop is ~10x slower: give it fewer messages, report the rate
-        n = max(count // 10, 500) if run is raw_naive else count
+        broker_before = broker_cpu_seconds()
+        cpu_before = time.process_time()
         started = time.perf_counter()
-        await run(queue, n, window)
+        await run(queue, count, window)
+        await wait_for_depth(channel, queue, count)
         seconds = time.perf_counter() - started
-        await wait_for_depth(channel, queue, n)
+        cpu = time.process_time() - cpu_before
+        broker_after = broker_cpu_seconds()
         await declared.delete(if_unused=False, if_empty=False)
-    return n / seconds
+    broker_us = None
+    if broker_before is not None and broker_after is not None:
+        broker_us = (broker_after - broker_before) / count * 1e6
+    return Sample(count / seconds, cpu / count * 1e6, broker_us)
 
 
-async def main() -> None:
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+async def main(args: argparse.Namespace) -> None:
+    samples: dict[str, list[Sample]] = {name: [] for name in VARIANTS}
+    for _ in range(args.rounds):
+        for name, (run, _) in VARIANTS.items():
+            samples[name].append(await measure(run, args.messages, args.window))
+    rates = {name: statistics.median(s.rate for s in found) for name, found in samples.items()}
+    aio = rates[AIO_UNCONFIRMED]
+    pik = rates[PIKA_UNCONFIRMED]
+    loop_name = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    print(
+        f"publish: {args.messages} persistent {len(BODY)}-byte messages per run, durable queue, "
+        f"window {args.window}, {args.rounds} interleaved round(s), medians; loop: {loop_name}; "
+        f"threads: {threading.active_count()}"
+    )
+    header = (
+        f"{'variant':<40} {'confirms':>8} {'msgs/s':>9} {'vs aio-pika':>12} "
+        f"{'vs pika':>8} {'client µs/msg':>14} {'broker µs/msg':>14}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for name, found in samples.items():
+        client = _median([s.client_us for s in found])
+        broker = _median([s.broker_us for s in found])
+        confirmed = "yes" if VARIANTS[name][1] else "no"
+        broker_text = f"{broker:>14.1f}" if broker is not None else f"{'n/a':>14}"
+        print(
+            f"{name:<40} {confirmed:>8} {rates[name]:>9,.0f} {rates[name] / aio:>11.2f}x "
+            f"{rates[name] / pik:>7.2f}x {client or 0:>14.1f} {broker_text}"
+        )
+        rows.append(
+            {
+                "variant": name,
+                "confirms": VARIANTS[name][1],
+                "rate": rates[name],
+                "vs_aio_pika": rates[name] / aio,
+                "vs_pika": rates[name] / pik,
+                "client_us": client,
+                "broker_us": broker,
+            }
+        )
+    if args.json:
+        with open(args.json, "w") as out:  # noqa: ASYNC230 - once, after the measurements
+            json.dump(
+                {
+                    "messages": args.messages,
+                    "window": args.window,
+                    "rounds": args.rounds,
+                    "loop": loop_name,
+                    "rows": rows,
+                },
+                out,
+                indent=2,
+            )
+
+
+def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--window", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=1, help="repeat and report the median")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians")
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop (if installed)")
+    parser.add_argument("--json", help="also write the medians to this file")
     args = parser.parse_args()
-    rates: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for _ in range(args.rounds):
-        for name, run in VARIANTS.items():
-            rates[name].append(await measure(name, run, args.messages, args.window))
-    medians = {name: statistics.median(values) for name, values in rates.items()}
-    base = medians[BASELINE]
-    print(
-        f"publish: {args.messages} persistent 256-byte messages, durable queue, "
-        f"window {args.window}, {args.rounds} round(s), median"
-    )
-    print(f"{'variant':<42} {'msgs/s':>10} {'vs pipelined':>13}")
-    for name, rate in medians.items():
-        print(f"{name:<42} {rate:>10,.0f} {rate / base:>12.2f}x")
+    if args.uvloop:
+        import uvloop  # noqa: PLC0415 - optional
+
+        uvloop.run(main(args))
+    else:
+        asyncio.run(main(args))
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    cli()

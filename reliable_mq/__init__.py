@@ -1,6 +1,5 @@
 """reliable_mq: loss-proof RabbitMQ publishing and consuming over aio-pika."""
 
-from ._outgoing import MessageOptions
 from .consumer import ConsumerStats, ReliableConsumer
 from .delivery import Delivery
 from .errors import (
@@ -26,8 +25,16 @@ from .errors import (
 )
 from .handlers import AckPolicy, Reject, Retry, Router
 from .log import configure_logging
+from .message import Message, MessageOptions
 from .metrics import Metrics
-from .publisher import PendingPublish, PublisherStats, PublishResult, ReliablePublisher
+from .outcomes import BatchFailure, BatchResult
+from .publisher import (
+    PendingPublish,
+    PublisherState,
+    PublisherStats,
+    PublishResult,
+    ReliablePublisher,
+)
 from .settings import (
     ConnectionSettings,
     ConsumerSettings,
@@ -41,6 +48,8 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AckPolicy",
+    "BatchFailure",
+    "BatchResult",
     "BrokerUnavailable",
     "ClosedError",
     "ConnectionSettings",
@@ -53,6 +62,7 @@ __all__ = (
     "InvalidBody",
     "InvalidMessage",
     "InvalidSettings",
+    "Message",
     "MessageOptions",
     "MessageTooLarge",
     "Metrics",
@@ -68,6 +78,7 @@ __all__ = (
     "PublishUnavailable",
     "PublishUnroutable",
     "PublisherSettings",
+    "PublisherState",
     "PublisherStats",
     "QueueTopology",
     "QueueType",

@@ -1,154 +1,224 @@
-"""An outgoing message: validated, encoded once, and its delivery state."""
+"""An outgoing message: validated and encoded once, and its delivery state until final."""
 
 from __future__ import annotations
 
 import asyncio
-import secrets
+import datetime as dt
+import enum
 from collections.abc import Mapping
-from datetime import datetime
-from typing import Any, TypedDict
-
-from pamqp.commands import Basic
+from typing import TYPE_CHECKING, Any
 
 from ._codec import encode_body
-from .errors import InvalidMessage, MessageTooLarge
-from .metrics import exchange_label
+from ._wire import FRAME_OVERHEAD, Encoded, check_timeout, encode_properties, encode_publish
+from .errors import InvalidBody, InvalidMessage, MessageTooLarge
+from .message import MessageOptions
 from .settings import PublisherSettings
 
-__all__ = ("MessageOptions", "Outgoing", "encode_message")
+if TYPE_CHECKING:
+    from ._batch import Batch
+    from .metrics import ExchangeMetrics
+
+__all__ = ("MessageOptions", "Outgoing", "Preparer", "RetryReason")
+
+_METHOD_CACHE_SIZE = 4096
 
 
-class MessageOptions(TypedDict, total=False):
-    """Optional message properties accepted by ``publish()`` and ``enqueue()``.
+class RetryReason(enum.StrEnum):
+    """Why a message was sent again (the ``reason`` label of the republish metric)."""
 
-    Attributes:
-        message_id: a stable id; generated when omitted, kept on every republish.
-        headers: AMQP headers (values must be AMQP-encodable).
-        persistent: delivery mode 2 (default ``settings.persistent``).
-        mandatory: ask for ``basic.return`` when unroutable (default ``settings.mandatory``).
-        content_type: overrides the type inferred from the body.
-        correlation_id: AMQP correlation id.
-        reply_to: AMQP reply-to.
-        expiration: per-message TTL in seconds.
-        priority: AMQP priority, 0 to 255.
-        message_type: AMQP ``type`` property.
-        app_id: AMQP ``app-id`` property.
-        timestamp: AMQP ``timestamp`` property.
-    """
-
-    message_id: str | None
-    headers: Mapping[str, Any] | None
-    persistent: bool | None
-    mandatory: bool | None
-    content_type: str | None
-    correlation_id: str | None
-    reply_to: str | None
-    expiration: float | None
-    priority: int | None
-    message_type: str | None
-    app_id: str | None
-    timestamp: datetime | None
-
-
-def encode_message(
-    settings: PublisherSettings,
-    body: Any,
-    *,
-    routing_key: str,
-    exchange: str,
-    options: MessageOptions,
-) -> tuple[str, bytes, Basic.Properties]:
-    """Validate and encode once; republishes reuse the bytes and properties.
-
-    Raises:
-        InvalidBody, InvalidMessage, MessageTooLarge: nothing can be sent as given.
-    """
-    message_id = options.get("message_id")
-    priority = options.get("priority")
-    expiration = options.get("expiration")
-    persistent = options.get("persistent")
-    headers = options.get("headers")
-    payload, inferred_type = encode_body(body)
-    if message_id is None:
-        message_id = secrets.token_hex(16)
-    elif not message_id or len(message_id) > 255:
-        raise InvalidMessage("message_id must be 1 to 255 characters")
-    if len(payload) > settings.max_message_size:
-        raise MessageTooLarge(
-            f"body is {len(payload)} bytes, over max_message_size={settings.max_message_size}",
-            message_id=message_id,
-            attempts=0,
-        )
-    if len(routing_key) > 85 and len(routing_key.encode()) > 255:
-        raise InvalidMessage("routing_key is longer than 255 bytes")
-    if len(exchange) > 85 and len(exchange.encode()) > 255:
-        raise InvalidMessage("exchange name is longer than 255 bytes")
-    if priority is not None and not 0 <= priority <= 255:
-        raise InvalidMessage("priority must be 0 to 255")
-    if persistent is None:
-        persistent = settings.persistent
-    properties = Basic.Properties(
-        content_type=options.get("content_type") or inferred_type,
-        delivery_mode=2 if persistent else 1,
-        message_id=message_id,
-        timestamp=options.get("timestamp"),
-        headers=dict(headers) if headers else None,
-        correlation_id=options.get("correlation_id"),
-        reply_to=options.get("reply_to"),
-        expiration=str(int(expiration * 1000)) if expiration is not None else None,
-        priority=priority,
-        message_type=options.get("message_type"),
-        app_id=options.get("app_id"),
-    )
-    return message_id, payload, properties
+    NACK = "nack"
+    CONNECTION_LOST = "connection_lost"
+    CONFIRM_TIMEOUT = "confirm_timeout"
+    RETURNED_AFTER_RECONNECT = "returned_after_reconnect"
+    REFUSED_NEARBY = "refused_nearby"
+    """Another message on its channel was refused: it is re-sent while the culprit is isolated."""
 
 
 class Outgoing:
-    """One message and its delivery state; lives until its outcome is final."""
+    """One accepted message and its delivery state; lives until its outcome is final.
+
+    It holds a window slot and its ``message_id`` from acceptance until it is
+    both ``finished`` (the caller has its outcome) and off every channel
+    (``tag == 0``): a message whose caller timed out still occupies its slot
+    while its last attempt may be confirmed.
+    """
 
     __slots__ = (
         "attempts",
-        "body",
+        "batch",
         "deadline",
+        "encoded",
         "exchange",
         "failures",
-        "label",
+        "finished",
+        "followers",
+        "future",
+        "generation",
+        "index",
         "mandatory",
+        "maybe_routed",
         "message_id",
-        "properties",
+        "metrics",
+        "refusals",
         "retry_reason",
+        "returned",
         "returns",
         "routing_key",
-        "sent",
+        "sent_at",
         "seq",
         "started",
+        "tag",
     )
 
     def __init__(
         self,
-        *,
         seq: int,
         message_id: str,
-        body: bytes,
-        properties: Basic.Properties,
+        encoded: Encoded,
         exchange: str,
         routing_key: str,
         mandatory: bool,
         deadline: float,
         started: float,
+        metrics: ExchangeMetrics,
     ) -> None:
         self.seq = seq
         self.message_id = message_id
-        self.body = body
-        self.properties = properties
+        self.encoded = encoded
         self.exchange = exchange
-        self.label = exchange_label(exchange)
         self.routing_key = routing_key
         self.mandatory = mandatory
         self.deadline = deadline
         self.started = started
+        self.metrics = metrics
         self.attempts = 0
         self.failures = 0
         self.returns = 0
-        self.retry_reason = ""
-        self.sent: asyncio.Future[None] | None = None
+        self.refusals = 0
+        self.maybe_routed = False
+        """An earlier attempt was lost unconfirmed: the broker may have routed it."""
+        self.retry_reason = RetryReason.NACK
+        self.tag = 0
+        """Delivery tag of the attempt on a channel now; 0 when on none."""
+        self.generation = 0
+        """The channel generation of that attempt."""
+        self.sent_at = 0.0
+        self.returned: tuple[int, str] | None = None
+        self.finished = False
+        self.future: asyncio.Future[Any] | None = None
+        self.batch: Batch | None = None
+        self.index = 0
+        self.followers: list[asyncio.Future[None]] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Outgoing {self.message_id} seq={self.seq} attempts={self.attempts}>"
+
+
+class Preparer:
+    """Validates and encodes messages for one publisher (caches what repeats)."""
+
+    __slots__ = ("_id_prefix", "_methods", "frame_max", "settings")
+
+    def __init__(self, settings: PublisherSettings, id_prefix: str) -> None:
+        self.settings = settings
+        self._id_prefix = id_prefix
+        self._methods: dict[tuple[str, str, bool], bytes] = {}
+        self.frame_max = 131_072
+        """The negotiated frame size of the current connection (set on connect)."""
+
+    def method(self, exchange: str, routing_key: str, mandatory: bool) -> bytes:
+        """The ``basic.publish`` payload, cached (the same routes repeat)."""
+        key = (exchange, routing_key, mandatory)
+        payload = self._methods.get(key)
+        if payload is None:
+            payload = encode_publish(exchange, routing_key, mandatory)
+            if len(self._methods) >= _METHOD_CACHE_SIZE:
+                self._methods.clear()
+            self._methods[key] = payload
+        return payload
+
+    def encode(
+        self,
+        seq: int,
+        body: Any,
+        routing_key: str,
+        exchange: str,
+        *,
+        message_id: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        persistent: bool | None = None,
+        mandatory: bool | None = None,
+        content_type: str | None = None,
+        correlation_id: str | None = None,
+        reply_to: str | None = None,
+        expiration: float | None = None,
+        priority: int | None = None,
+        message_type: str | None = None,
+        app_id: str | None = None,
+        timestamp: dt.datetime | None = None,
+    ) -> tuple[str, Encoded, bool]:
+        """Check and encode one message: ``(message_id, encoded, mandatory)``.
+
+        Raises:
+            InvalidMessage, InvalidBody, MessageTooLarge: it cannot be sent as given.
+        """
+        settings = self.settings
+        try:
+            payload, inferred_type = encode_body(body)
+        except RecursionError:
+            raise InvalidBody("body is nested too deeply to encode as JSON") from None
+        if message_id is None:
+            message_id = f"{self._id_prefix}{seq:x}"
+        elif not isinstance(message_id, str) or not message_id:
+            raise InvalidMessage(
+                f"message_id must be a non-empty str, not {type(message_id).__name__} "
+                f"{message_id!r:.40}"
+            )
+        if len(payload) > settings.max_message_size:
+            raise MessageTooLarge(
+                f"body is {len(payload)} bytes, over max_message_size={settings.max_message_size}",
+                message_id=message_id,
+                attempts=0,
+            )
+        sticky = _flag(mandatory, settings.mandatory, "mandatory")
+        method = self.method(exchange, routing_key, sticky)
+        header = encode_properties(
+            len(payload),
+            content_type=content_type or inferred_type,
+            delivery_mode=2 if _flag(persistent, settings.persistent, "persistent") else 1,
+            message_id=message_id,
+            headers=_headers(headers),
+            priority=priority,
+            correlation_id=correlation_id,
+            reply_to=reply_to,
+            expiration=expiration,
+            timestamp=timestamp,
+            message_type=message_type,
+            app_id=app_id,
+        )
+        if len(header) + FRAME_OVERHEAD > self.frame_max:
+            raise InvalidMessage(
+                f"properties and headers take {len(header)} bytes, over the connection's "
+                f"frame_max={self.frame_max} (they must fit in one frame)"
+            )
+        return message_id, Encoded(method, header, payload), sticky
+
+    def deadline_in(self, timeout: Any) -> float:
+        """The publish deadline in seconds from now (``timeout`` or the default)."""
+        if timeout is None:
+            return self.settings.publish_timeout
+        return check_timeout(timeout)
+
+
+def _flag(value: Any, default: bool, field: str) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidMessage(f"{field} must be a bool, not {type(value).__name__}")
+    return value
+
+
+def _headers(value: Any) -> Mapping[str, Any] | None:
+    if value is None or isinstance(value, Mapping):
+        return value
+    raise InvalidMessage(f"headers must be a mapping, not {type(value).__name__}")

@@ -13,9 +13,9 @@ import enum
 import random
 
 import aio_pika
-import aiormq
 from aio_pika.abc import AbstractConnection
 
+from ._amqp_faults import AMQP_ERRORS, FaultKind, classify
 from .errors import BrokerUnavailable, ClosedError
 from .log import get_logger
 from .metrics import Metrics
@@ -23,10 +23,12 @@ from .settings import BrokerAddress, ConnectionSettings, redact_credentials
 
 __all__ = ("ConnectionState", "ConnectionSupervisor")
 
-_FATAL_CONNECT_ERRORS: tuple[type[BaseException], ...] = (
-    aiormq.exceptions.ProbableAuthenticationError,
-    aiormq.exceptions.AuthenticationError,
-)
+
+_CLOSE_ERRORS: tuple[type[BaseException], ...] = (*AMQP_ERRORS, RuntimeError)
+"""Closing a connection that already broke can raise anything of these; none matters."""
+
+_SHORT_LIFE = 2.0
+"""Seconds: a connection lost sooner than this "died young" and delays the next reconnect."""
 
 
 class ConnectionState(enum.StrEnum):
@@ -66,6 +68,7 @@ class ConnectionSupervisor:
         """Increments with every new connection; lets listeners tell old from new."""
         self.connected_at = 0.0
         """Loop time when the current connection opened."""
+        self._short_lives = 0
 
     @property
     def name(self) -> str:
@@ -93,12 +96,14 @@ class ConnectionSupervisor:
         for _ in self._settings.addresses:
             try:
                 connection = await self._connect_once()
-            except _FATAL_CONNECT_ERRORS as exc:
-                self._state = ConnectionState.CLOSED
-                raise BrokerUnavailable(
-                    f"{self._current_address().redacted}: authentication refused ({exc})"
-                ) from None
-            except (OSError, TimeoutError, aiormq.exceptions.AMQPError) as exc:
+            except AMQP_ERRORS as exc:
+                fault = classify(exc)
+                if fault is not None and fault.kind is FaultKind.AUTH_REFUSED:
+                    self._state = ConnectionState.CLOSED
+                    raise BrokerUnavailable(
+                        f"{self._current_address().redacted}: authentication refused "
+                        f"({fault.reply_text})"
+                    ) from None
                 errors.append(f"{self._current_address().redacted}: {_describe(exc)}")
                 self._advance_address()
                 continue
@@ -139,7 +144,7 @@ class ConnectionSupervisor:
             try:
                 async with asyncio.timeout(timeout):
                     await connection.close()
-            except (TimeoutError, OSError, aiormq.exceptions.AMQPError, RuntimeError):
+            except _CLOSE_ERRORS:
                 self._log.debug("connection_close_error")
         self._metrics_up.set(0)
         self._log.debug("connection_closed")
@@ -191,6 +196,7 @@ class ConnectionSupervisor:
             assert connection is not None
             underlay = connection.transport.connection if connection.transport else None
             reason = "closed"
+            broker_closed = False
             if underlay is not None and not underlay.is_closed:
                 # Wait without awaiting the future itself: aiormq *cancels* it when
                 # it drops a connection for missed heartbeats (a silent link), and
@@ -206,25 +212,46 @@ class ConnectionSupervisor:
                     reason = "aborted (no frames within the heartbeat grace: link stuck)"
                 elif (exc := closing.exception()) is not None:
                     reason = _describe(exc)
+                    fault = classify(exc)
+                    broker_closed = fault is not None and fault.broker_initiated
             if self._closed():
                 return
             self._connection = None
             self._state = ConnectionState.CONNECTING
             self._connected.clear()
             self._metrics_up.set(0)
+            lived = asyncio.get_running_loop().time() - self.connected_at
+            young = broker_closed and lived < _SHORT_LIFE
+            self._short_lives = self._short_lives + 1 if young else 0
             self._log.warning(
                 "connection_lost", broker=self._current_address().redacted, reason=reason
             )
             await self._reconnect()
 
+    def first_reconnect_delay(self) -> float:
+        """0, unless the broker itself closed one connection after another young.
+
+        A broker that keeps closing new connections (a refused frame, a forced
+        close, an alarm) must not be answered with a reconnect storm; a network
+        cut is not the broker's doing and is answered at once.
+        """
+        if not self._short_lives:
+            return 0.0
+        settings = self._settings
+        delay = settings.reconnect_initial_delay * 2 ** (self._short_lives - 1)
+        return float(min(delay, settings.reconnect_max_delay))
+
     async def _reconnect(self) -> None:
         delay = self._settings.reconnect_initial_delay
         attempt = 0
+        pause = self.first_reconnect_delay()
+        if pause:
+            await asyncio.sleep(pause * random.uniform(0.8, 1.2))
         while self._state is not ConnectionState.CLOSED:
             attempt += 1
             try:
                 connection = await self._connect_once()
-            except (OSError, TimeoutError, aiormq.exceptions.AMQPError) as exc:
+            except AMQP_ERRORS as exc:
                 self._log.info(
                     "reconnect_failed",
                     broker=self._current_address().redacted,

@@ -1,94 +1,86 @@
 """ReliablePublisher: publisher confirms as a stream, republished until confirmed.
 
-Every ``publish()`` holds one slot of a bounded window from the moment it is
-accepted until its outcome is final, so memory stays bounded however many
-callers there are. The hot path goes one layer below aio-pika's objects, to
-aiormq's ``Channel.basic_publish``: aiormq already maps delivery tags to
-futures and fans out ``multiple=true`` acks and nacks, so we do not keep a
-second tag table; we react to each message's outcome.
+Every accepted message holds one slot of a bounded window until its outcome
+is final, so memory stays bounded however many callers there are. Below the
+facade, ``_engine`` decides what happens to each message on every channel
+event and ``_stream`` owns the publish path under aiormq (coalesced writes,
+confirms tracked by ranges of delivery tags).
 
 Outcomes per message:
 
-* ``basic.ack``: confirmed, ``publish()`` returns a :class:`PublishResult`.
+* ``basic.ack``: confirmed; ``publish()`` returns a [PublishResult][reliable_mq.outcomes.PublishResult].
 * ``basic.nack``: republished with backoff, same ``message_id``, up to
-  ``max_attempts``; then :class:`~reliable_mq.errors.PublishGaveUp`.
-* ``basic.return`` (mandatory): :class:`~reliable_mq.errors.PublishUnroutable`,
+  ``max_attempts``; then [PublishGaveUp][reliable_mq.errors.PublishGaveUp].
+* ``basic.return`` (mandatory): [PublishUnroutable][reliable_mq.errors.PublishUnroutable],
   not retried.
+* refused by the broker (a channel or connection close caused by this message):
+  [PublishRefused][reliable_mq.errors.PublishRefused] with the reply code and
+  text, not retried; a missing exchange is [ExchangeNotFound][reliable_mq.errors.ExchangeNotFound]
+  and is found by a passive declare before the first publish to it.
 * channel or connection lost: republished on the next channel, in the original
   order, never twice in flight on one channel; the caller keeps waiting.
-* deadline passed: :class:`~reliable_mq.errors.PublishTimeout`.
+* no connection for ``unavailable_timeout``: [PublishUnavailable][reliable_mq.errors.PublishUnavailable].
+* deadline passed: [PublishTimeout][reliable_mq.errors.PublishTimeout].
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import secrets
 import time
+from collections.abc import AsyncIterable, Iterable
 from typing import Any
 
-import aiormq
-from aiormq import Channel
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from typing_extensions import Unpack
 
-from ._confirm_channel import LOST_ERRORS, Aborted, ConfirmChannel
-from ._outgoing import MessageOptions, Outgoing, encode_message
-from ._window import Window
+from ._batch import Batch
+from ._engine import Engine
+from ._outgoing import Outgoing, Preparer
+from ._wire import check_timeout
 from .connection import ConnectionSupervisor
 from .errors import (
     ClosedError,
-    ExchangeNotFound,
     FlushTimeout,
     InvalidMessage,
-    PublishAborted,
+    InvalidSettings,
+    PublishBatchError,
     PublishError,
-    PublishGaveUp,
-    PublishTimeout,
-    PublishUnroutable,
+    ReliableMQError,
 )
 from .log import get_logger
-from .metrics import Metrics, exchange_label
-from .outcomes import PendingPublish, PublisherStats, PublishResult
+from .message import Message, MessageOptions
+from .metrics import ExchangeMetrics, Metrics
+from .outcomes import BatchResult, PendingPublish, PublisherStats, PublishResult
 from .settings import ConnectionSettings, PublisherSettings
 
-__all__ = ("PendingPublish", "PublishResult", "PublisherStats", "ReliablePublisher")
+__all__ = (
+    "BatchResult",
+    "PendingPublish",
+    "PublishResult",
+    "PublisherState",
+    "PublisherStats",
+    "ReliablePublisher",
+)
+
+_OPTION_NAMES = frozenset(MessageOptions.__annotations__)
+_YIELD_EVERY = 128
+"""publish_many() lets the loop run (writes, confirms) after this many messages."""
 
 
-class _ExchangeMetrics:
-    """The per-exchange children of the publisher's collectors.
+class PublisherState(enum.StrEnum):
+    """Where a [ReliablePublisher][reliable_mq.publisher.ReliablePublisher] is in its life."""
 
-    The two per-message counters are counted in plain ints and added to
-    Prometheus on each watchdog tick (every 50 ms) and on close: a locked
-    ``inc()`` per message was a visible share of the hot path.
-    """
-
-    __slots__ = (
-        "confirmed",
-        "latency",
-        "nacked",
-        "pending_confirmed",
-        "pending_published",
-        "published",
-        "returned",
-    )
-
-    def __init__(self, metrics: Metrics, exchange: str) -> None:
-        label = exchange_label(exchange)
-        self.published = metrics.published.labels(label)
-        self.confirmed = metrics.confirmed.labels(label)
-        self.nacked = metrics.nacked.labels(label)
-        self.returned = metrics.returned.labels(label)
-        self.latency = metrics.confirm_latency.labels(label)
-        self.pending_published = 0
-        self.pending_confirmed = 0
-
-    def flush(self) -> None:
-        if self.pending_published:
-            self.published.inc(self.pending_published)
-            self.pending_published = 0
-        if self.pending_confirmed:
-            self.confirmed.inc(self.pending_confirmed)
-            self.pending_confirmed = 0
+    IDLE = "idle"
+    """Created, not started."""
+    OPEN = "open"
+    """Started: takes messages."""
+    CLOSING = "closing"
+    """``close()`` runs: no new messages, outstanding ones finish."""
+    CLOSED = "closed"
+    """Closed for good."""
 
 
 class ReliablePublisher:
@@ -101,7 +93,8 @@ class ReliablePublisher:
 
     Args:
         connection: an AMQP URL (several, comma separated, fail over), or
-            :class:`ConnectionSettings`; default: from ``RELIABLE_MQ_*`` variables.
+            [ConnectionSettings][reliable_mq.settings.ConnectionSettings]; default: from
+            ``RELIABLE_MQ_*`` variables.
         settings: window, deadlines and retry policy; default: from
             ``RELIABLE_MQ_PUBLISHER_*`` variables.
         registry: the Prometheus registry for metrics (default: the global one).
@@ -124,27 +117,27 @@ class ReliablePublisher:
         self._metrics = Metrics.on(registry, metrics_prefix)
         self._supervisor = ConnectionSupervisor(connection, role="publisher", metrics=self._metrics)
         self._log = get_logger(__name__).bind(connection=self._supervisor.name)
-        self._window = Window(self.settings.max_in_flight)
-        self._in_flight_gauge = self._metrics.in_flight.labels(self._supervisor.name)
-        self._labelled: dict[str, _ExchangeMetrics] = {}
-        self._confirm = ConfirmChannel(
+        self._preparer = Preparer(self.settings, secrets.token_hex(8) + "-")
+        self._engine = Engine(
             self._supervisor,
+            self.settings,
+            self._preparer,
             open_timeout=connection.connect_timeout,
             log=self._log,
-            needed=lambda: not self._closed or self._outstanding > 0,
         )
+        self._engine.on_idle = self._flush_metrics
+        self._in_flight_gauge = self._metrics.in_flight.labels(self._supervisor.name)
+        self._labelled: dict[str, ExchangeMetrics] = {}
         self._watchdog: asyncio.Task[None] | None = None
-        self._started = False
-        self._closed = False
-        self._aborting = False
+        self._state = PublisherState.IDLE
         self._seq = 0
-        self._outstanding = 0
-        self._idle: asyncio.Event | None = None
-        self._busy_ids: dict[str, list[asyncio.Future[None]] | None] = {}
-        self._published = self._confirmed = self._nacked = self._returned = 0
-        self._republished = self._failed = 0
+        self._published = 0
 
     # -- life cycle ---------------------------------------------------------
+
+    @property
+    def state(self) -> PublisherState:
+        return self._state
 
     async def __aenter__(self) -> ReliablePublisher:
         await self.start()
@@ -158,21 +151,20 @@ class ReliablePublisher:
 
         Raises:
             BrokerUnavailable: no broker address accepted a connection.
+            ClosedError: the publisher was closed.
         """
-        if self._started:
+        if self._state is PublisherState.OPEN:
             return
-        if self._closed:
+        if self._state is not PublisherState.IDLE:
             raise ClosedError("publisher is closed")
-        self._started = True
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._state = PublisherState.OPEN
         self._metrics.window_size.labels(self._supervisor.name).set(self.settings.max_in_flight)
-        await self._supervisor.start()
-        self._watchdog = asyncio.get_running_loop().create_task(
-            self._watch_deadlines(), name=f"reliable_mq:{self._supervisor.name}:deadlines"
-        )
         try:
-            await self._confirm.start()
+            await self._supervisor.start()
+            self._watchdog = asyncio.get_running_loop().create_task(
+                self._watch(), name=f"reliable_mq:{self._supervisor.name}:deadlines"
+            )
+            await self._engine.stream.start()
         except BaseException:
             await self._shutdown()
             raise
@@ -183,60 +175,52 @@ class ReliablePublisher:
         Raises:
             FlushTimeout: ``timeout`` seconds passed first (the messages stay in flight).
         """
-        if self._idle is None or self._outstanding == 0:
+        engine = self._engine
+        if engine.outstanding == 0:
             return
         try:
             async with asyncio.timeout(timeout):
-                await self._idle.wait()
+                await engine.idle.wait()
         except TimeoutError:
             raise FlushTimeout(
-                f"{self._outstanding} messages still unconfirmed after {timeout}s"
+                f"{engine.outstanding} messages still unconfirmed after {timeout}s"
             ) from None
 
     async def close(self, timeout: float | None = None) -> None:
         """Stop taking messages, wait for outstanding confirms, then close.
 
         Messages still unconfirmed after ``timeout`` (default
-        ``settings.close_timeout``) fail with :class:`PublishAborted`; nothing is
-        dropped silently.
+        ``settings.close_timeout``) fail with
+        [PublishAborted][reliable_mq.errors.PublishAborted]; nothing is dropped
+        silently.
         """
-        if self._closed:
+        if self._state in (PublisherState.CLOSING, PublisherState.CLOSED):
             return
-        self._closed = True
-        if not self._started:
-            return
-        wait = self.settings.close_timeout if timeout is None else timeout
-        try:
-            await self.flush(wait)
-        except FlushTimeout:
-            self._log.warning("close_abandoning_messages", outstanding=self._outstanding)
-            await self._abort_outstanding()
-        await self._shutdown()
-
-    async def _abort_outstanding(self) -> None:
-        self._aborting = True
-        self._window.fail_waiters(Aborted())
-        self._confirm.fail_waiters(Aborted())
-        # Reject every pending confirm now, without a round trip: on a stalled
-        # link a polite channel.close() would wait for the broker's reply.
-        await self._confirm.reject_pending(Aborted())
-        assert self._idle is not None
-        try:
-            async with asyncio.timeout(5):
-                await self._idle.wait()
-        except TimeoutError:  # pragma: no cover - defensive
-            self._log.error("close_abort_stuck", outstanding=self._outstanding)
+        started = self._state is PublisherState.OPEN
+        self._state = PublisherState.CLOSING
+        self._engine.closed = True
+        if started:
+            wait = self.settings.close_timeout if timeout is None else timeout
+            try:
+                await self.flush(wait)
+            except FlushTimeout:
+                self._log.warning("close_abandoning_messages", outstanding=self._engine.outstanding)
+                self._engine.abort()
+            await self._shutdown()
+        self._state = PublisherState.CLOSED
 
     async def _shutdown(self) -> None:
-        self._closed = True
-        await self._confirm.close()
+        self._engine.closed = True
+        await self._engine.close()
+        await self._engine.stream.close()
+        await self._engine.exchanges.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
         self._flush_metrics()
-        await self._supervisor.close(timeout=1.0 if self._aborting else 5.0)
+        await self._supervisor.close(timeout=1.0 if self._engine.aborting else 5.0)
 
-    # -- public publishing API ----------------------------------------------
+    # -- publishing ---------------------------------------------------------
 
     async def publish(
         self,
@@ -254,19 +238,26 @@ class ReliablePublisher:
             routing_key: the routing key (the queue name on the default exchange).
             exchange: the exchange name; "" is the default exchange.
             timeout: the deadline in seconds (default ``settings.publish_timeout``).
-            **options: message properties, see :class:`MessageOptions`
+            **options: message properties, see [MessageOptions][reliable_mq.message.MessageOptions]
                 (``message_id``, ``headers``, ``persistent``, ``mandatory``...).
 
         Raises:
             PublishUnroutable: returned by the broker (mandatory, no queue bound).
             ExchangeNotFound: the exchange does not exist.
+            PublishRefused: the broker refused the message (reply code and text).
             PublishGaveUp: nacked or unconfirmed ``max_attempts`` times.
             PublishTimeout: the deadline passed; the outcome is unknown.
+            PublishUnavailable: no connection for ``unavailable_timeout``.
             PublishAborted: ``close()`` gave up waiting for it.
             MessageTooLarge, InvalidMessage, InvalidBody: nothing was sent.
             ClosedError: the publisher is closed or not started.
         """
-        return await self._deliver(self._prepare(body, routing_key, exchange, timeout, options))
+        out = self._prepare(body, routing_key, exchange, timeout, options)
+        future: asyncio.Future[PublishResult] = asyncio.get_running_loop().create_future()
+        out.future = future
+        if not self._engine.admit_now(out):
+            await self._engine.admit(out)
+        return await future
 
     async def enqueue(
         self,
@@ -277,45 +268,137 @@ class ReliablePublisher:
         timeout: float | None = None,
         **options: Unpack[MessageOptions],
     ) -> PendingPublish:
-        """Like :meth:`publish`, but return as soon as the message is in flight.
+        """Like [publish][reliable_mq.publisher.ReliablePublisher.publish], but return once in flight.
 
-        It waits for a window slot (that is the backpressure), writes the first
-        attempt, and returns a :class:`PendingPublish` to await for the outcome.
-        Errors that happen before the message is in flight are raised here.
+        It waits for a window slot (that is the backpressure), sends the first
+        attempt, and returns a [PendingPublish][reliable_mq.outcomes.PendingPublish] to
+        await for the outcome. Errors that happen before the message is in
+        flight are raised here.
         """
         out = self._prepare(body, routing_key, exchange, timeout, options)
-        loop = asyncio.get_running_loop()
-        out.sent = loop.create_future()
-        task = loop.create_task(self._deliver(out))
-        task.add_done_callback(_retrieve)
+        future: asyncio.Future[PublishResult] = asyncio.get_running_loop().create_future()
+        out.future = future
+        if not self._engine.admit_now(out):
+            await self._engine.admit(out)
+        return PendingPublish(out.message_id, future)
+
+    async def publish_many(
+        self,
+        messages: Iterable[Message] | AsyncIterable[Message],
+        *,
+        timeout: float | None = None,
+        max_failures: int | None = None,
+        raise_on_error: bool = True,
+    ) -> BatchResult:
+        """Publish a stream of messages with confirms; return once every one has an outcome.
+
+        The fastest form: no task or future per message, writes coalesced,
+        confirms resolved by ranges. Memory stays flat for any number of
+        messages (the window bounds what is in flight). A message that cannot
+        be encoded, or that ends in a [PublishError][reliable_mq.errors.PublishError],
+        is recorded as a failure with its index; the others go on.
+
+        Args:
+            messages: [Message][reliable_mq.message.Message] objects, from a plain or an
+                async iterable (read once, lazily).
+            timeout: each message's deadline in seconds from when it is read
+                (default ``settings.publish_timeout``).
+            max_failures: stop reading the input after this many failures
+                (messages already in flight still get their outcome).
+            raise_on_error: raise [PublishBatchError][reliable_mq.errors.PublishBatchError]
+                (carrying the result) if any message failed.
+
+        Raises:
+            PublishBatchError: some messages failed and ``raise_on_error`` is set.
+            InvalidMessage: ``timeout`` is not a finite positive number.
+            ClosedError: the publisher is closed or not started.
+        """
+        self._check_open()
+        if timeout is not None:
+            check_timeout(timeout)
+        if max_failures is not None and (
+            isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 1
+        ):
+            raise InvalidSettings("publish_many", [("max_failures", "must be an int >= 1")])
+        batch = Batch()
+        stopped_early = False
         try:
-            await out.sent  # resolved once written, or when the task ends early
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if out.attempts == 0 and task.done():
-            task.result()  # raises the error that stopped it before sending
-        return PendingPublish(out.message_id, task)
+            if isinstance(messages, AsyncIterable):
+                index = 0
+                async for message in messages:
+                    if await self._take(batch, index, message, timeout, max_failures):
+                        stopped_early = True
+                        break
+                    index += 1
+            else:
+                for index, message in enumerate(messages):
+                    if await self._take(batch, index, message, timeout, max_failures):
+                        stopped_early = True
+                        break
+        finally:
+            batch.close_input()
+        await batch.wait()
+        result = batch.result(stopped_early)
+        if raise_on_error and result.failures:
+            first = result.failures[0]
+            raise PublishBatchError(
+                f"{len(result.failures)} of {result.taken} messages failed; first "
+                f"(index {first.index}): {type(first.error).__name__}: {first.error}",
+                result,
+            )
+        return result
+
+    async def _take(
+        self,
+        batch: Batch,
+        index: int,
+        message: Any,
+        timeout: float | None,
+        max_failures: int | None,
+    ) -> bool:
+        """Read one message of a batch into flight; True when the batch must stop."""
+        try:
+            out = self._prepare_message(message, timeout)
+        except ReliableMQError as exc:
+            batch.rejected(index, getattr(exc, "message_id", ""), exc)
+        else:
+            out.batch = batch
+            out.index = index
+            batch.took()
+            if not self._engine.admit_now(out):
+                try:
+                    await self._engine.admit(out)
+                except PublishError as exc:
+                    batch.failed(index, out.message_id, exc)
+            elif not index % _YIELD_EVERY:
+                await asyncio.sleep(0)  # let the writer and the confirms in
+        return max_failures is not None and len(batch.failures) >= max_failures
 
     @property
     def in_flight(self) -> int:
         """Messages holding a window slot now."""
-        return self._window.taken
+        return self._engine.window.taken
 
     def stats(self) -> PublisherStats:
+        engine = self._engine
         return PublisherStats(
             published=self._published,
-            confirmed=self._confirmed,
-            nacked=self._nacked,
-            returned=self._returned,
-            republished=self._republished,
-            failed=self._failed,
-            in_flight=self._window.taken,
-            max_in_flight_seen=self._window.high_water,
-            channel_generation=self._confirm.generation,
+            confirmed=engine.confirmed_count,
+            nacked=engine.nacked,
+            returned=engine.returned_count,
+            republished=engine.republished,
+            failed=engine.failed,
+            in_flight=engine.window.taken,
+            max_in_flight_seen=engine.window.high_water,
+            channel_generation=engine.stream.generation,
         )
 
-    # -- message preparation --------------------------------------------------
+    # -- preparation --------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._state is not PublisherState.OPEN:
+            state = "not started" if self._state is PublisherState.IDLE else "closed"
+            raise ClosedError(f"publisher is {state}")
 
     def _prepare(
         self,
@@ -325,323 +408,88 @@ class ReliablePublisher:
         timeout: float | None,
         options: MessageOptions,
     ) -> Outgoing:
-        if self._closed or not self._started:
-            raise ClosedError("publisher is closed" if self._closed else "publisher not started")
-        settings = self.settings
-        deadline_in = settings.publish_timeout if timeout is None else timeout
-        if deadline_in <= 0:
-            raise InvalidMessage("timeout must be positive")
-        message_id, payload, properties = encode_message(
-            settings, body, routing_key=routing_key, exchange=exchange, options=options
-        )
+        self._check_open()
+        if options and not _OPTION_NAMES.issuperset(options):
+            unknown = ", ".join(sorted(set(options) - _OPTION_NAMES))
+            raise InvalidMessage(f"unknown message option(s): {unknown}")
+        deadline_in = self._preparer.deadline_in(timeout)
         self._seq += 1
-        self._outstanding += 1
-        if self._outstanding == 1:
-            assert self._idle is not None
-            self._idle.clear()
-        self._published += 1
-        self._exchange_metrics(exchange).pending_published += 1
-        return Outgoing(
-            seq=self._seq,
-            message_id=message_id,
-            body=payload,
-            properties=properties,
-            exchange=exchange,
-            routing_key=routing_key,
-            mandatory=settings.mandatory
-            if options.get("mandatory") is None
-            else bool(options["mandatory"]),
-            deadline=asyncio.get_running_loop().time() + deadline_in,
-            started=time.monotonic(),
+        message_id, encoded, mandatory = self._preparer.encode(
+            self._seq, body, routing_key, exchange, **options
+        )
+        return self._outgoing(message_id, encoded, exchange, routing_key, mandatory, deadline_in)
+
+    def _prepare_message(self, message: Any, timeout: float | None) -> Outgoing:
+        if not isinstance(message, Message):
+            raise InvalidMessage(
+                f"publish_many takes Message objects, not {type(message).__name__}"
+            )
+        self._check_open()
+        deadline_in = self._preparer.deadline_in(timeout)
+        self._seq += 1
+        message_id, encoded, mandatory = self._preparer.encode(
+            self._seq,
+            message.body,
+            message.routing_key,
+            message.exchange,
+            message_id=message.message_id,
+            headers=message.headers,
+            persistent=message.persistent,
+            mandatory=message.mandatory,
+            content_type=message.content_type,
+            correlation_id=message.correlation_id,
+            reply_to=message.reply_to,
+            expiration=message.expiration,
+            priority=message.priority,
+            message_type=message.message_type,
+            app_id=message.app_id,
+            timestamp=message.timestamp,
+        )
+        return self._outgoing(
+            message_id, encoded, message.exchange, message.routing_key, mandatory, deadline_in
         )
 
-    def _exchange_metrics(self, exchange: str) -> _ExchangeMetrics:
+    def _outgoing(
+        self,
+        message_id: str,
+        encoded: Any,
+        exchange: str,
+        routing_key: str,
+        mandatory: bool,
+        deadline_in: float,
+    ) -> Outgoing:
+        self._published += 1
+        return Outgoing(
+            self._seq,
+            message_id,
+            encoded,
+            exchange,
+            routing_key,
+            mandatory,
+            asyncio.get_running_loop().time() + deadline_in,
+            time.monotonic(),
+            self._exchange_metrics(exchange),
+        )
+
+    def _exchange_metrics(self, exchange: str) -> ExchangeMetrics:
         """Labelled children cached per exchange: ``labels()`` is slow on a hot path."""
         children = self._labelled.get(exchange)
         if children is None:
-            children = self._labelled[exchange] = _ExchangeMetrics(self._metrics, exchange)
+            children = self._labelled[exchange] = self._metrics.for_exchange(exchange)
         return children
 
-    # -- delivery -------------------------------------------------------------
+    # -- the periodic sweep -----------------------------------------------------------
 
-    async def _deliver(self, out: Outgoing) -> PublishResult:
-        try:
-            if out.message_id in self._busy_ids:
-                await self._wait_for_same_id(out)
-            self._busy_ids[out.message_id] = None
-            try:
-                await self._take_slot(out)
-                try:
-                    return await self._send_until_final(out)
-                finally:
-                    self._window.release()
-            finally:
-                for waiter in self._busy_ids.pop(out.message_id, None) or ():
-                    if not waiter.done():
-                        waiter.set_result(None)
-        except PublishError as exc:
-            self._failed += 1
-            self._metrics.publish_failed.labels(out.label, type(exc).__name__).inc()
-            self._log.warning(
-                "publish_failed",
-                message_id=out.message_id,
-                exchange=out.exchange,
-                routing_key=out.routing_key,
-                attempts=out.attempts,
-                error=type(exc).__name__,
-                reason=str(exc),
-            )
-            raise
-        finally:
-            if out.sent is not None and not out.sent.done():
-                out.sent.set_result(None)
-            self._outstanding -= 1
-            if self._outstanding == 0 and self._idle is not None:
-                self._idle.set()
-                self._flush_metrics()  # a burst ended: make the counters exact now
-
-    async def _wait_for_same_id(self, out: Outgoing) -> None:
-        """Two publishes of one message_id never overlap (aiormq maps returns by id)."""
-        loop = asyncio.get_running_loop()
-        while out.message_id in self._busy_ids:
-            waiter: asyncio.Future[None] = loop.create_future()
-            waiters = self._busy_ids[out.message_id]
-            if waiters is None:
-                waiters = self._busy_ids[out.message_id] = []
-            waiters.append(waiter)
-            try:
-                async with asyncio.timeout_at(out.deadline):
-                    await waiter
-            except TimeoutError:
-                raise self._timeout_error(out) from None
-
-    async def _take_slot(self, out: Outgoing) -> None:
-        if self._window.try_acquire():
-            return
-        try:
-            await self._window.acquire(out.deadline)
-        except TimeoutError:
-            raise self._timeout_error(out) from None
-        except Aborted:
-            raise self._aborted_error(out) from None
-
-    async def _send_until_final(self, out: Outgoing) -> PublishResult:
-        loop = asyncio.get_running_loop()
-        confirm_timeout = self.settings.confirm_timeout
-        while True:
-            channel = self._confirm.channel
-            if channel is None or self._aborting:
-                channel = await self._wait_for_channel(out)
-            out.attempts += 1
-            if out.attempts > 1:
-                self._republished += 1
-                self._metrics.republished.labels(out.label, out.retry_reason).inc()
-                self._log.info(
-                    "republish",
-                    message_id=out.message_id,
-                    routing_key=out.routing_key,
-                    attempt=out.attempts,
-                    reason=out.retry_reason,
-                )
-            sent_at = loop.time()
-            task = asyncio.current_task()
-            assert task is not None
-            # The watchdog interrupts the attempt at this deadline (no timer per message).
-            generation = self._confirm.begin(task, min(out.deadline, sent_at + confirm_timeout))
-            back_off = False
-            try:
-                if out.sent is not None and not out.sent.done():
-                    loop.call_soon(_resolve, out.sent)
-                await channel.basic_publish(
-                    out.body,
-                    exchange=out.exchange,
-                    routing_key=out.routing_key,
-                    properties=out.properties,
-                    mandatory=out.mandatory,
-                    wait=False,
-                )
-            except aiormq.exceptions.PublishError as exc:
-                self._returned += 1
-                self._exchange_metrics(out.exchange).returned.inc()
-                if not self._return_may_be_transient(out, loop.time()):
-                    frame = exc.frame
-                    raise PublishUnroutable(
-                        message_id=out.message_id,
-                        attempts=out.attempts,
-                        exchange=out.exchange,
-                        routing_key=out.routing_key,
-                        reply_code=getattr(frame, "reply_code", None),
-                        reply_text=getattr(frame, "reply_text", None),
-                    ) from None
-                # Right after a reconnect a restarted broker may still be recovering
-                # its durable queues: retry with backoff while the grace period lasts.
-                out.returns += 1
-                out.retry_reason = "returned_after_reconnect"
-                back_off = True
-            except aiormq.exceptions.DeliveryError:
-                self._nacked += 1
-                self._exchange_metrics(out.exchange).nacked.inc()
-                out.failures += 1
-                if out.failures >= self.settings.max_attempts:
-                    raise PublishGaveUp(
-                        f"nacked by the broker {out.failures} times",
-                        message_id=out.message_id,
-                        attempts=out.attempts,
-                    ) from None
-                out.retry_reason = "nack"
-                if self._confirm.nacked(generation, loop.time()):
-                    # RabbitMQ 3.10 (seen on 3.10.8): a channel that first published to a
-                    # quorum queue while it had no leader nacks every later publish to
-                    # it, even after a new leader is elected; a fresh channel works.
-                    self._confirm.replace(generation)
-                back_off = True  # below, once this attempt has left the channel
-            except Aborted:
-                raise self._aborted_error(out) from None
-            except asyncio.CancelledError:
-                why = self._confirm.interruption(task)
-                if why is not None:
-                    if task.uncancel():
-                        raise  # the caller cancelled us too
-                elif task.cancelling():
-                    raise
-                if why == "expired":
-                    self._confirm_expired(out, generation)
-                else:  # the keeper gave up on this channel, or aiormq cancelled the confirm
-                    self._channel_lost(generation, out)
-                continue
-            except aiormq.exceptions.ChannelNotFoundEntity as exc:
-                if _names_missing_exchange(exc, out.exchange):
-                    raise ExchangeNotFound(
-                        f"exchange {out.exchange!r} does not exist",
-                        message_id=out.message_id,
-                        attempts=out.attempts,
-                    ) from None
-                self._channel_lost(generation, out)
-                continue
-            except LOST_ERRORS:
-                self._channel_lost(generation, out)
-                continue
-            except (TypeError, ValueError) as exc:
-                if out.attempts == 1:
-                    raise InvalidMessage(f"cannot encode the message: {exc}") from exc
-                raise
-            finally:
-                self._confirm.end(task, generation)
-            if back_off:
-                # Outside the attempt: a channel recycled during the backoff must
-                # not interrupt (cancel) it as an attempt stuck on that channel.
-                await self._backoff(out)
-                continue
-            now = loop.time()
-            self._confirm.acked(generation, now)
-            self._confirmed += 1
-            latency = now - sent_at
-            children = self._exchange_metrics(out.exchange)
-            children.pending_confirmed += 1
-            children.latency.observe(latency)
-            return PublishResult(
-                message_id=out.message_id,
-                attempts=out.attempts,
-                confirm_latency=latency,
-                elapsed=time.monotonic() - out.started,
-            )
-
-    def _return_may_be_transient(self, out: Outgoing, now: float) -> bool:
-        """A basic.return soon after a REconnect may mean "queue not recovered yet"."""
-        grace = self.settings.returns_retried_after_reconnect
-        return (
-            grace > 0
-            and self._supervisor.generation > 1
-            and now - self._supervisor.connected_at < grace
-        )
-
-    def _confirm_expired(self, out: Outgoing, generation: int) -> None:
-        """No confirm by the attempt's deadline: give up, or call the channel stuck."""
-        if asyncio.get_running_loop().time() >= out.deadline:
-            raise self._timeout_error(out)
-        confirm_timeout = self.settings.confirm_timeout
-        out.failures += 1
-        out.retry_reason = "confirm_timeout"
-        self._log.warning(
-            "confirm_timeout",
-            message_id=out.message_id,
-            attempt=out.attempts,
-            seconds=confirm_timeout,
-        )
-        self._confirm.replace(generation)
-        if out.failures >= self.settings.max_attempts:
-            raise PublishGaveUp(
-                f"not confirmed within {confirm_timeout}s, {out.failures} times",
-                message_id=out.message_id,
-                attempts=out.attempts,
-            )
-
-    async def _watch_deadlines(self) -> None:
-        """Enforce slot and confirm deadlines in one periodic sweep."""
+    async def _watch(self) -> None:
+        """Deadlines, stuck channels, outages and metrics, in one periodic sweep."""
         tick = min(0.05, self.settings.confirm_timeout / 4)
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(tick)
-            now = loop.time()
-            self._window.expire(now)
-            self._confirm.expire(now)
+            self._engine.tick(loop.time())
             self._flush_metrics()
 
     def _flush_metrics(self) -> None:
-        self._in_flight_gauge.set(self._window.taken)
+        self._in_flight_gauge.set(self._engine.window.taken)
         for children in self._labelled.values():
             children.flush()
-
-    async def _backoff(self, out: Outgoing) -> None:
-        delay = self.settings.backoff(max(out.failures, out.returns))
-        loop = asyncio.get_running_loop()
-        if loop.time() + delay >= out.deadline:
-            await asyncio.sleep(max(out.deadline - loop.time(), 0))
-            raise self._timeout_error(out)
-        await asyncio.sleep(delay)
-
-    def _timeout_error(self, out: Outgoing) -> PublishError:
-        if self._aborting:
-            return self._aborted_error(out)
-        return PublishTimeout(
-            "deadline passed before a confirm; the broker may still have it",
-            message_id=out.message_id,
-            attempts=out.attempts,
-        )
-
-    def _aborted_error(self, out: Outgoing) -> PublishAborted:
-        return PublishAborted(
-            "publisher closed before a confirm; the broker may still have it",
-            message_id=out.message_id,
-            attempts=out.attempts,
-        )
-
-    async def _wait_for_channel(self, out: Outgoing) -> Channel:
-        """Queue behind the reconnect; waiters are released in publish order."""
-        if self._aborting:
-            raise self._aborted_error(out)
-        try:
-            return await self._confirm.wait(out.seq, out.deadline)
-        except TimeoutError:
-            raise self._timeout_error(out) from None
-        except Aborted:
-            raise self._aborted_error(out) from None
-
-    def _channel_lost(self, generation: int, out: Outgoing) -> None:
-        out.retry_reason = "connection_lost"
-        self._confirm.replace(generation)
-
-
-def _names_missing_exchange(exc: BaseException, exchange: str) -> bool:
-    return bool(exchange) and f"no exchange '{exchange}'" in str(exc)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """Mark a background task's error as seen: it is logged and reported elsewhere."""
-    if not task.cancelled():
-        task.exception()

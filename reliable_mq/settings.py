@@ -217,6 +217,14 @@ class PublisherSettings(_Settings):
     max_message_size: int = Field(
         default=128 * 1024 * 1024, ge=1, description="bytes; RabbitMQ's own default limit"
     )
+    unavailable_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "seconds without a connection after which every message waiting for one fails "
+            "with PublishUnavailable, and new publishes fail at once until it is back"
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_backoff(self) -> PublisherSettings:

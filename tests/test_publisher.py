@@ -179,8 +179,9 @@ class TestStreaming:
         """The broker coalesces acks (multiple=true); every covered message still resolves once."""
         frames: list[Basic.Ack | Basic.Nack] = []
         async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
-            channel = publisher._confirm.channel
-            assert channel is not None
+            generation = publisher._engine.stream.current
+            assert generation is not None
+            channel = generation.channel
             original = channel._on_confirm_frame
 
             async def spy(frame: Basic.Ack | Basic.Nack) -> None:

@@ -141,8 +141,10 @@ class Workload:
         timeout: float,
         prefix: str = "m",
         body: Callable[[int], bytes] | None = None,
+        max_rate: float = 2000.0,
     ) -> None:
         self.publisher = publisher
+        self.max_rate = max_rate
         self.oracle = oracle
         self.queue = queue
         self.timeout = timeout
@@ -172,10 +174,18 @@ class Workload:
         stream runs as fast as confirms come back, and stalls with them.
         """
         limit = max_messages if max_messages is not None else min_messages * 20
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         while self.count < limit:
             if self.count >= min_messages and (until is None or until.is_set()):
                 break
             await self.publish_one(self.next_id(), self.count - 1)
+            if self.count % 100 == 0:
+                # Paced: the scenarios test faults mid-stream, not throughput; an
+                # unpaced stream outruns the consumer and the drain takes minutes.
+                ahead = self.count / self.max_rate - (loop.time() - started)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
 
     async def publish_one(self, mid: str, index: int = 0, **options: Any) -> None:
         self.oracle.attempted(mid)

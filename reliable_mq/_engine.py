@@ -1,0 +1,743 @@
+"""The publisher's policy: what happens to each message on every channel event.
+
+A message is *admitted* (it holds a window slot and owns its ``message_id``),
+then sent on the current channel generation, or queued in the backlog while
+there is none. Every channel event resolves messages without a task or a timer
+per message:
+
+* ``basic.ack``: confirmed (or, after a ``basic.return``, unroutable);
+* ``basic.nack``: republished after a backoff, until ``max_attempts``;
+* channel or connection lost: back to the backlog in publish order;
+* closed by a *refusal* of something we sent (``channel.close`` 403/404/406...,
+  or a 50x connection close): the refused message fails alone with a typed
+  error carrying the reply code and text, and the others are republished.
+  When the reply text names the exchange, the culprits are the messages to it;
+  otherwise the suspects are re-sent in halves, one half at a time, until the
+  one the broker refuses is alone (:class:`Isolation`);
+* deadlines, stuck channels and long outages are enforced by one periodic
+  sweep (:meth:`Engine.tick`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ._amqp_faults import Fault, FaultKind
+from ._exchanges import ExchangeCache
+from ._outgoing import Outgoing, Preparer, RetryReason
+from ._stream import Generation, StreamKeeper
+from ._window import Window
+from .connection import ConnectionSupervisor
+from .errors import (
+    ClosedError,
+    ExchangeNotFound,
+    PublishAborted,
+    PublishError,
+    PublishGaveUp,
+    PublishOutcomeUnknown,
+    PublishRefused,
+    PublishTimeout,
+    PublishUnavailable,
+    PublishUnroutable,
+    ReliableMQError,
+)
+from .outcomes import PublishResult
+from .settings import PublisherSettings
+
+__all__ = ("Aborted", "Engine", "Isolation")
+
+_NACK_ONLY_SECONDS = 2.0
+"""A channel that got only nacks (at least three, no ack) for this long is replaced."""
+_MAX_REFUSALS = 64
+"""A message on this many refused channels fails, whatever isolation concluded."""
+
+
+class Aborted(Exception):
+    """Internal: close() gave up; window waiters turn it into PublishAborted."""
+
+
+class _Unavailable(Exception):
+    """Internal: no connection for unavailable_timeout; waiters turn it into PublishUnavailable."""
+
+
+class Isolation:
+    """Suspects of a refusal whose culprit the broker did not name, tested half by half."""
+
+    __slots__ = ("chunk", "fault", "size", "suspects")
+
+    def __init__(self, suspects: list[Outgoing], fault: Fault) -> None:
+        self.suspects: deque[Outgoing] = deque(suspects)
+        self.fault = fault
+        self.size = max(1, (len(suspects) + 1) // 2)
+        self.chunk: list[Outgoing] = []
+
+    def next_chunk(self) -> list[Outgoing]:
+        """The next group to send alone (the previous one was confirmed)."""
+        chunk: list[Outgoing] = []
+        while self.suspects and len(chunk) < self.size:
+            out = self.suspects.popleft()
+            if not out.finished:
+                chunk.append(out)
+        self.chunk = chunk
+        return chunk
+
+    def chunk_done(self) -> bool:
+        return all(out.tag == 0 for out in self.chunk)
+
+    def narrow(self, refused: list[Outgoing]) -> Outgoing | None:
+        """The channel was refused while ``refused`` were unconfirmed: the culprit is among
+        them. Returns it when it is alone; otherwise they become the next suspects."""
+        in_chunk = [out for out in refused if out in self.chunk]
+        others = [out for out in refused if out not in self.chunk]
+        self.chunk = []
+        if len(in_chunk) == 1:
+            self.suspects.extendleft(reversed(others))
+            return in_chunk[0]
+        self.suspects.extendleft(reversed(in_chunk + others))
+        self.size = max(1, (len(in_chunk) + 1) // 2)
+        return None
+
+
+class Engine:
+    """Sends admitted messages and resolves them; implements the stream's events."""
+
+    def __init__(
+        self,
+        supervisor: ConnectionSupervisor,
+        settings: PublisherSettings,
+        preparer: Preparer,
+        *,
+        open_timeout: float,
+        log: Any,
+    ) -> None:
+        self.settings = settings
+        self._preparer = preparer
+        self._supervisor = supervisor
+        self._log = log
+        self.window = Window(settings.max_in_flight)
+        self.by_id: dict[str, Outgoing] = {}
+        """Every admitted message until it is final and off every channel."""
+        self.backlog: deque[Outgoing] = deque()
+        self.isolation: Isolation | None = None
+        self.closed = False
+        self.aborting = False
+        self.unavailable = False
+        self.down_since: float | None = None
+        self.outstanding = 0
+        """Admitted messages whose caller does not have the outcome yet."""
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.stream = StreamKeeper(
+            supervisor, self, open_timeout=open_timeout, log=log, needed=self._needed
+        )
+        self.exchanges = ExchangeCache(supervisor, open_timeout=open_timeout, log=log)
+        self._diverted: dict[str, list[Outgoing]] = {}
+        self._probes: set[asyncio.Task[None]] = set()
+        self.on_idle: Callable[[], None] = lambda: None
+        """Called when the last outstanding message gets its outcome (metrics flush)."""
+        self._next_deadline = float("inf")
+        self.confirmed_count = self.nacked = self.returned_count = 0
+        self.republished = self.failed = 0
+
+    def _needed(self) -> bool:
+        return not self.closed or bool(self.by_id)
+
+    # -- admission ------------------------------------------------------------------
+
+    def admit_now(self, out: Outgoing) -> bool:
+        """Admit and send ``out`` without waiting, if nothing stands in the way."""
+        if (
+            self.unavailable
+            or out.message_id in self.by_id
+            or out.exchange not in self.exchanges.known
+            or not self.window.try_acquire()
+        ):
+            return False
+        self._admitted(out)
+        return True
+
+    async def admit(self, out: Outgoing) -> None:
+        """Wait (until the message's deadline) for its id, its exchange and a slot; send it.
+
+        Raises:
+            PublishError: the deadline passed, the exchange is missing or refused,
+                the broker is unavailable, or the publisher is closing.
+        """
+        try:
+            await self._admit(out)
+        except PublishError as exc:
+            self.failed += 1
+            out.metrics.failure(type(exc).__name__)
+            raise
+
+    async def _admit(self, out: Outgoing) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._check_open(out)
+            previous = self.by_id.get(out.message_id)
+            if previous is not None:
+                await self._wait_release(previous, out)
+                continue
+            if out.exchange not in self.exchanges.known:
+                await self._check_exchange(out)
+                continue
+            if self.window.try_acquire():
+                break
+            try:
+                await self.window.acquire(out.deadline)
+            except TimeoutError:
+                raise self.timeout_error(out) from None
+            except Aborted:
+                raise self.aborted_error(out) from None
+            except _Unavailable:
+                raise self.unavailable_error(out) from None
+            if out.message_id in self.by_id or self.unavailable or self.aborting:
+                self.window.release()
+                continue
+            break
+        if loop.time() >= out.deadline:
+            self.window.release()
+            raise self.timeout_error(out)
+        self._admitted(out)
+
+    def _check_open(self, out: Outgoing) -> None:
+        if self.aborting:
+            raise self.aborted_error(out)
+        if self.unavailable:
+            raise self.unavailable_error(out)
+
+    async def _wait_release(self, previous: Outgoing, out: Outgoing) -> None:
+        """Two publishes of one message_id never overlap (returns are matched by id)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if previous.followers is None:
+            previous.followers = []
+        previous.followers.append(waiter)
+        try:
+            async with asyncio.timeout_at(out.deadline):
+                await waiter
+        except TimeoutError:
+            raise self.timeout_error(out) from None
+
+    async def _check_exchange(self, out: Outgoing) -> None:
+        try:
+            async with asyncio.timeout_at(out.deadline):
+                fault = await self.exchanges.check(out.exchange)
+        except TimeoutError:
+            raise self.timeout_error(out) from None
+        except ClosedError:
+            raise self.aborted_error(out) from None
+        if fault is None:
+            return
+        if fault.kind is FaultKind.NOT_FOUND:
+            raise ExchangeNotFound(
+                f"exchange {out.exchange!r} does not exist",
+                message_id=out.message_id,
+                attempts=out.attempts,
+                reply_code=fault.reply_code,
+                reply_text=fault.reply_text,
+            )
+        if fault.refusal:
+            raise self._refused_error(out, fault)
+
+    def _admitted(self, out: Outgoing) -> None:
+        self.by_id[out.message_id] = out
+        self.outstanding += 1
+        if self.outstanding == 1:
+            self.idle.clear()
+        self._next_deadline = min(self._next_deadline, out.deadline)
+        self.submit(out)
+
+    # -- sending ----------------------------------------------------------------------
+
+    def submit(self, out: Outgoing) -> None:
+        """Send ``out`` now, or queue it behind the messages already waiting."""
+        generation = self.stream.current
+        if generation is not None and not self.backlog and self.isolation is None:
+            self._send(generation, out)
+        else:
+            self.backlog.append(out)
+
+    def _send(self, generation: Generation, out: Outgoing) -> None:
+        if out.exchange not in self.exchanges.known:
+            self._divert(out)  # its exchange went missing (or was refused) since admission
+            return
+        out.attempts += 1
+        if out.attempts > 1:
+            self.republished += 1
+            out.metrics.republish(out.retry_reason)
+            if out.batch is not None:
+                out.batch.republished += 1
+        else:
+            out.metrics.pending_published += 1
+        out.returned = None
+        out.generation = generation.number
+        out.sent_at = asyncio.get_running_loop().time()
+        out.tag = generation.write(out)
+
+    def pump(self) -> None:
+        """Send what waits, in order; during an isolation, only its current chunk."""
+        generation = self.stream.current
+        if generation is None or generation.closing:
+            return
+        isolation = self.isolation
+        if isolation is not None:
+            if isolation.chunk and not isolation.chunk_done():
+                return
+            chunk = isolation.next_chunk()
+            if chunk:
+                for out in chunk:
+                    self._send(generation, out)
+                return
+            self.isolation = None
+            self._log.info("refusal_isolated", reason=isolation.fault.describe())
+        backlog = self.backlog
+        while backlog and not generation.closing:
+            out = backlog.popleft()
+            if not out.finished:
+                self._send(generation, out)
+
+    def _divert(self, out: Outgoing) -> None:
+        """Hold ``out`` until its exchange is probed again; one probe per exchange."""
+        waiting = self._diverted.get(out.exchange)
+        if waiting is not None:
+            waiting.append(out)
+            return
+        self._diverted[out.exchange] = [out]
+        task = asyncio.get_running_loop().create_task(self._reprobe(out.exchange))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _reprobe(self, exchange: str) -> None:
+        fault: Fault | None = None
+        try:
+            while True:
+                fault = await self.exchanges.check(exchange)
+                if fault is None or fault.refusal:
+                    break
+                await asyncio.sleep(0.2)  # could not check (connection trouble): again
+        except (ClosedError, asyncio.CancelledError):
+            for out in self._diverted.pop(exchange, []):
+                self.fail(out, self.aborted_error(out))
+            raise
+        for out in self._diverted.pop(exchange, []):
+            if out.finished:
+                continue
+            if fault is None:
+                self.submit(out)
+            else:
+                self.fail(out, self._exchange_error(out, exchange, fault))
+
+    async def close(self) -> None:
+        """Stop the background probes (the publisher is shutting down)."""
+        for task in list(self._probes):
+            task.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
+
+    # -- stream events ------------------------------------------------------------------
+
+    def opened(self, generation: Generation) -> None:
+        self._preparer.frame_max = generation.frame_max
+        self.down_since = None
+        if self.unavailable:
+            self.unavailable = False
+            self._log.info("broker_available_again")
+        self.pump()
+
+    def confirmed(self, generation: Generation, items: list[Outgoing], ack: bool) -> None:
+        now = asyncio.get_running_loop().time()
+        if ack:
+            generation.last_ack = now
+            generation.nacks_since_ack = 0
+        for out in items:
+            out.tag = 0
+            if not ack:
+                self._nacked(generation, out, now)
+            elif out.returned is not None:
+                self._returned(out, now)
+            else:
+                self.confirmed_count += 1
+                metrics = out.metrics
+                metrics.pending_confirmed += 1
+                metrics.latency.observe(now - out.sent_at)
+                if out.finished:
+                    self._release(out)
+                else:
+                    self._succeed(out, now)
+        if self.isolation is not None:
+            self.pump()
+
+    def returned(self, generation: Generation, message_id: str, code: int, text: str) -> None:
+        out = self.by_id.get(message_id)
+        if out is not None and out.generation == generation.number and out.tag:
+            out.returned = (code, text)
+
+    def lost(self, generation: Generation, items: list[Outgoing], fault: Fault | None) -> None:
+        if self.stream.current is None and self.down_since is None:
+            self.down_since = asyncio.get_running_loop().time()
+        live: list[Outgoing] = []
+        for out in items:
+            out.tag = 0
+            if out.finished:
+                self._release(out)
+            else:
+                live.append(out)
+        if fault is not None and fault.refusal:
+            self._refused(live, fault)
+        else:
+            self.requeue(live, RetryReason.CONNECTION_LOST)
+
+    def requeue(self, items: Iterable[Outgoing], reason: RetryReason) -> None:
+        """Put messages back in front of the backlog, in publish order."""
+        items = list(items)
+        if not items:
+            return
+        lost = reason is RetryReason.CONNECTION_LOST
+        for out in items:
+            out.retry_reason = reason
+            if lost:
+                out.maybe_routed = True
+        if self.isolation is not None:
+            self.isolation.chunk = []
+            self.isolation.suspects.extendleft(reversed(sorted(items, key=_seq)))
+            return
+        merged = sorted([*items, *self.backlog], key=_seq)
+        self.backlog = deque(merged)
+
+    # -- outcomes -------------------------------------------------------------------------
+
+    def _nacked(self, generation: Generation, out: Outgoing, now: float) -> None:
+        self.nacked += 1
+        out.metrics.nacked.inc()
+        if generation.number == self.stream.generation:
+            generation.nacks_since_ack += 1
+            if generation.nacks_since_ack >= 3 and now - generation.last_ack >= _NACK_ONLY_SECONDS:
+                # RabbitMQ 3.10 (seen on 3.10.8): a channel that first published to a
+                # quorum queue while it had no leader nacks every later publish to
+                # it, even after a new leader is elected; a fresh channel works.
+                self.stream.replace(generation)
+        if out.finished:
+            self._release(out)
+            return
+        out.failures += 1
+        if out.failures >= self.settings.max_attempts:
+            self.fail(
+                out,
+                PublishGaveUp(
+                    f"nacked by the broker {out.failures} times",
+                    message_id=out.message_id,
+                    attempts=out.attempts,
+                ),
+            )
+            return
+        out.retry_reason = RetryReason.NACK
+        self._back_off(out, out.failures, now)
+
+    def _returned(self, out: Outgoing, now: float) -> None:
+        self.returned_count += 1
+        out.metrics.returned.inc()
+        if out.finished:
+            self._release(out)
+            return
+        assert out.returned is not None
+        code, text = out.returned
+        if self._return_may_be_transient(now):
+            out.returns += 1
+            out.retry_reason = RetryReason.RETURNED_AFTER_RECONNECT
+            self._back_off(out, out.returns, now)
+            return
+        self.fail(
+            out,
+            PublishUnroutable(
+                message_id=out.message_id,
+                attempts=out.attempts,
+                exchange=out.exchange,
+                routing_key=out.routing_key,
+                reply_code=code,
+                reply_text=text,
+            ),
+        )
+
+    def _return_may_be_transient(self, now: float) -> bool:
+        """A basic.return soon after a REconnect may mean "queue not recovered yet"."""
+        grace = self.settings.returns_retried_after_reconnect
+        return (
+            grace > 0
+            and self._supervisor.generation > 1
+            and now - self._supervisor.connected_at < grace
+        )
+
+    def _back_off(self, out: Outgoing, failures: int, now: float) -> None:
+        loop = asyncio.get_running_loop()
+        delay = self.settings.backoff(failures)
+        if now + delay >= out.deadline:
+            loop.call_at(out.deadline, self._expire, out)
+        else:
+            loop.call_later(delay, self._resend, out)
+
+    def _resend(self, out: Outgoing) -> None:
+        if not out.finished and out.tag == 0:
+            self.submit(out)
+
+    def _expire(self, out: Outgoing) -> None:
+        if not out.finished:
+            self.fail(out, self.timeout_error(out))
+
+    def _refused(self, live: list[Outgoing], fault: Fault) -> None:
+        """The broker closed the channel (or connection) refusing something we sent."""
+        for out in live:
+            out.refusals += 1
+        entity = fault.entity
+        if entity is not None and entity[0] == "exchange":
+            name = entity[1]
+            culprits = [out for out in live if out.exchange == name]
+            if culprits:
+                self._exchange_refused(name, culprits, fault)
+                self.requeue(
+                    [out for out in live if out.exchange != name], RetryReason.REFUSED_NEARBY
+                )
+                return
+        worn = [out for out in live if out.refusals >= _MAX_REFUSALS]
+        for out in worn:
+            self.fail(out, self._refused_error(out, fault))
+        live = [out for out in live if out.refusals < _MAX_REFUSALS]
+        if not live:
+            return
+        isolation = self.isolation
+        if isolation is None:
+            if len(live) == 1:
+                self.fail(live[0], self._refused_error(live[0], fault))
+                return
+            self._log.warning("refusal_isolating", reason=fault.describe(), suspects=len(live))
+            self.isolation = Isolation(sorted(live, key=_seq), fault)
+            for out in live:
+                out.retry_reason = RetryReason.REFUSED_NEARBY
+            return
+        culprit = isolation.narrow(live)
+        if culprit is not None:
+            self.fail(culprit, self._refused_error(culprit, fault))
+
+    def _exchange_refused(self, name: str, culprits: list[Outgoing], fault: Fault) -> None:
+        if fault.kind is FaultKind.NOT_FOUND:
+            self.exchanges.forget(name)
+            if len(culprits) > 1:
+                # One of them met the 404; the ones before it may have been routed
+                # before the exchange went away. Which is which, the broker does not say.
+                for out in culprits:
+                    out.maybe_routed = True
+        else:
+            self.exchanges.refuse(name, fault)
+        for out in culprits:
+            self.fail(out, self._exchange_error(out, name, fault))
+
+    def _exchange_error(self, out: Outgoing, name: str, fault: Fault) -> PublishError:
+        if fault.kind is not FaultKind.NOT_FOUND:
+            return self._refused_error(out, fault)
+        if out.maybe_routed:
+            return PublishOutcomeUnknown(
+                f"exchange {name!r} was deleted while this message was unconfirmed: "
+                "the broker may have routed it before; retry with the same message_id",
+                message_id=out.message_id,
+                attempts=out.attempts,
+            )
+        return ExchangeNotFound(
+            f"exchange {name!r} does not exist",
+            message_id=out.message_id,
+            attempts=out.attempts,
+            reply_code=fault.reply_code,
+            reply_text=fault.reply_text,
+        )
+
+    # -- resolution -----------------------------------------------------------------------
+
+    def _succeed(self, out: Outgoing, now: float) -> None:
+        out.finished = True
+        self.outstanding -= 1
+        batch = out.batch
+        if batch is not None:
+            batch.succeeded()
+        else:
+            future = out.future
+            if future is not None and not future.done():
+                future.set_result(
+                    PublishResult(
+                        out.message_id,
+                        out.attempts,
+                        now - out.sent_at,
+                        time.monotonic() - out.started,
+                    )
+                )
+        self._release(out)
+        if not self.outstanding:
+            self._went_idle()
+
+    def fail(self, out: Outgoing, error: ReliableMQError) -> None:
+        """Give ``out`` its final error (it stays in the window while still on a channel)."""
+        if out.finished:
+            return
+        out.finished = True
+        self.outstanding -= 1
+        self.failed += 1
+        out.metrics.failure(type(error).__name__)
+        self._log.debug(
+            "publish_failed",
+            message_id=out.message_id,
+            exchange=out.exchange,
+            routing_key=out.routing_key,
+            attempts=out.attempts,
+            error=type(error).__name__,
+            reason=str(error),
+        )
+        batch = out.batch
+        if batch is not None:
+            batch.failed(out.index, out.message_id, error)
+        else:
+            future = out.future
+            if future is not None and not future.done():
+                future.set_exception(error)
+        if out.tag == 0:
+            self._release(out)
+        if not self.outstanding:
+            self._went_idle()
+
+    def _release(self, out: Outgoing) -> None:
+        if self.by_id.get(out.message_id) is out:
+            del self.by_id[out.message_id]
+            self.window.release()
+            followers = out.followers
+            if followers:
+                out.followers = None
+                for waiter in followers:
+                    if not waiter.done():
+                        waiter.set_result(None)
+
+    def _went_idle(self) -> None:
+        self.idle.set()
+        self.on_idle()
+
+    # -- errors ------------------------------------------------------------------------------
+
+    def timeout_error(self, out: Outgoing) -> PublishError:
+        if self.aborting:
+            return self.aborted_error(out)
+        return PublishTimeout(
+            "deadline passed before a confirm; the broker may still have it",
+            message_id=out.message_id,
+            attempts=out.attempts,
+        )
+
+    def aborted_error(self, out: Outgoing) -> PublishAborted:
+        return PublishAborted(
+            "publisher closed before a confirm; the broker may still have it",
+            message_id=out.message_id,
+            attempts=out.attempts,
+        )
+
+    def unavailable_error(self, out: Outgoing) -> PublishUnavailable:
+        seconds = self.settings.unavailable_timeout
+        sent = " (an earlier attempt may have reached the broker)" if out.attempts else ""
+        return PublishUnavailable(
+            f"no connection to the broker for {seconds:g}s (unavailable_timeout){sent}",
+            message_id=out.message_id,
+            attempts=out.attempts,
+        )
+
+    def _refused_error(self, out: Outgoing, fault: Fault) -> PublishError:
+        if out.maybe_routed:
+            return PublishOutcomeUnknown(
+                f"refused by the broker ({fault.describe()}) after an earlier attempt was "
+                "lost unconfirmed: the broker may have that one; retry with the same message_id",
+                message_id=out.message_id,
+                attempts=out.attempts,
+            )
+        return PublishRefused(
+            f"refused by the broker: {fault.describe()}",
+            message_id=out.message_id,
+            attempts=out.attempts,
+            reply_code=fault.reply_code,
+            reply_text=fault.reply_text,
+        )
+
+    # -- the periodic sweep --------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Deadlines, stuck channels and outages: called every 50 ms by the publisher."""
+        self.window.expire(now)
+        if now >= self._next_deadline:
+            self._expire_deadlines(now)
+        generation = self.stream.current
+        if generation is not None and not generation.closing:
+            self._check_stuck(generation, now)
+        elif (
+            not self.unavailable
+            and self.down_since is not None
+            and now - self.down_since >= self.settings.unavailable_timeout
+        ):
+            self._go_unavailable()
+
+    def _expire_deadlines(self, now: float) -> None:
+        earliest = float("inf")
+        for out in list(self.by_id.values()):
+            if out.finished:
+                continue
+            if out.deadline <= now:
+                self.fail(out, self.timeout_error(out))
+            elif out.deadline < earliest:
+                earliest = out.deadline
+        self._next_deadline = earliest
+
+    def _check_stuck(self, generation: Generation, now: float) -> None:
+        oldest = generation.tracker.oldest()
+        timeout = self.settings.confirm_timeout
+        if oldest is None or now - oldest.sent_at < timeout:
+            return
+        self._log.warning(
+            "confirm_timeout",
+            message_id=oldest.message_id,
+            seconds=timeout,
+            unconfirmed=len(generation.tracker),
+        )
+        for out in generation.tracker.outstanding():
+            if out.finished or now - out.sent_at < timeout:
+                continue
+            out.failures += 1
+            if out.failures >= self.settings.max_attempts:
+                self.fail(
+                    out,
+                    PublishGaveUp(
+                        f"not confirmed within {timeout}s, {out.failures} times",
+                        message_id=out.message_id,
+                        attempts=out.attempts,
+                    ),
+                )
+        self.stream.replace(generation)
+
+    def _go_unavailable(self) -> None:
+        self.unavailable = True
+        self._log.error(
+            "broker_unavailable",
+            seconds=self.settings.unavailable_timeout,
+            waiting=sum(1 for out in self.by_id.values() if not out.finished),
+        )
+        self.window.fail_waiters(_Unavailable())
+        for out in list(self.by_id.values()):
+            if not out.finished and out.tag == 0:
+                self.fail(out, self.unavailable_error(out))
+
+    def abort(self) -> None:
+        """close() gave up: every message without an outcome fails with PublishAborted."""
+        self.aborting = True
+        self.window.fail_waiters(Aborted())
+        for out in list(self.by_id.values()):
+            if not out.finished:
+                self.fail(out, self.aborted_error(out))
+        for out in list(self.by_id.values()):
+            out.tag = 0
+            self._release(out)
+
+
+def _seq(out: Outgoing) -> int:
+    return out.seq

@@ -1,0 +1,128 @@
+"""Which exchanges exist: checked once with a passive declare, on a channel of its own.
+
+A publish to a missing exchange makes the broker close the channel with 404,
+and with it every other publish in flight on that channel. So the first
+publish to an exchange waits for a ``exchange.declare(passive=True)`` on a
+separate probe channel; only a 404 there fails the message, and the confirm
+channel never sees it. The answer is cached: "exists" until a publish channel
+is closed with a 404 naming the exchange, "refused" (for example an internal
+exchange, 403) for :data:`REFUSAL_TTL` seconds, so a loop publishing to a bad
+exchange fails locally and fast instead of closing the confirm channel again
+and again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiormq
+
+from ._amqp_faults import AMQP_ERRORS, Fault, FaultKind, classify
+from .connection import ConnectionSupervisor
+from .errors import ClosedError
+
+__all__ = ("REFUSAL_TTL", "ExchangeCache")
+
+REFUSAL_TTL = 5.0
+"""Seconds a refused exchange fails publishes locally before it is tried again."""
+_PROBE_ATTEMPTS = 8
+
+
+class ExchangeCache:
+    """Known-good exchanges, and the probes that find out."""
+
+    def __init__(self, supervisor: ConnectionSupervisor, *, open_timeout: float, log: Any) -> None:
+        self.known: set[str] = {""}
+        """Exchanges that exist (the default exchange always does)."""
+        self._supervisor = supervisor
+        self._open_timeout = open_timeout
+        self._log = log
+        self._refused: dict[str, tuple[float, Fault]] = {}
+        self._probes: dict[str, asyncio.Task[Fault | None]] = {}
+        self._channel: aiormq.Channel | None = None
+        self._lock = asyncio.Lock()
+
+    def refused(self, exchange: str) -> Fault | None:
+        """The cached refusal of ``exchange``, if one is still in force."""
+        entry = self._refused.get(exchange)
+        if entry is None:
+            return None
+        if entry[0] <= asyncio.get_running_loop().time():
+            del self._refused[exchange]
+            return None
+        return entry[1]
+
+    def forget(self, exchange: str) -> None:
+        """A publish channel was closed with 404 for ``exchange``: probe it again next time."""
+        self.known.discard(exchange)
+
+    def refuse(self, exchange: str, fault: Fault) -> None:
+        """The broker refused a publish to ``exchange``: fail the next ones locally for a while."""
+        self.known.discard(exchange)
+        self._refused[exchange] = (asyncio.get_running_loop().time() + REFUSAL_TTL, fault)
+
+    async def check(self, exchange: str) -> Fault | None:
+        """Probe ``exchange`` (shared by concurrent callers); None when it exists.
+
+        Callers bound the wait with their own deadline.
+        """
+        refusal = self.refused(exchange)
+        if refusal is not None:
+            return refusal
+        probe = self._probes.get(exchange)
+        if probe is None:
+            probe = asyncio.get_running_loop().create_task(self._probe(exchange))
+            self._probes[exchange] = probe
+            probe.add_done_callback(lambda _: self._probes.pop(exchange, None))
+        return await asyncio.shield(probe)
+
+    async def close(self) -> None:
+        for probe in list(self._probes.values()):
+            probe.cancel()
+        channel, self._channel = self._channel, None
+        if channel is not None and not channel.is_closed:
+            try:
+                async with asyncio.timeout(2):
+                    await channel.close()
+            except AMQP_ERRORS:
+                return
+
+    async def _probe(self, exchange: str) -> Fault | None:
+        fault: Fault | None = None
+        for attempt in range(_PROBE_ATTEMPTS):
+            try:
+                channel = await self._open_channel()
+                async with asyncio.timeout(self._open_timeout):
+                    await channel.exchange_declare(exchange=exchange, passive=True)
+            except ClosedError:
+                raise
+            except AMQP_ERRORS as exc:
+                fault = classify(exc)
+                assert fault is not None
+                if fault.kind is FaultKind.NOT_FOUND or fault.refusal:
+                    self._log.debug(
+                        "exchange_probe_refused", exchange=exchange, reason=fault.describe()
+                    )
+                    return fault
+                self._log.info("exchange_probe_failed", exchange=exchange, error=fault.describe())
+                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+                continue
+            self.known.add(exchange)
+            return None
+        return fault
+
+    async def _open_channel(self) -> aiormq.Channel:
+        async with self._lock:
+            channel = self._channel
+            if channel is not None and not channel.is_closed:
+                return channel
+            connection = await self._supervisor.wait_connected()
+            transport = connection.transport
+            if transport is None:
+                raise ConnectionError("connection has no transport")
+            async with asyncio.timeout(self._open_timeout):
+                opened = await transport.connection.channel(publisher_confirms=False)
+            assert isinstance(opened, aiormq.Channel)
+            self._channel = opened
+            return opened

@@ -1,0 +1,256 @@
+"""Our publish frames: what pamqp (the broker's view, for our purposes) decodes, and what we refuse."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from decimal import Decimal
+from typing import Any
+
+import pamqp.frame
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pamqp.body import ContentBody
+from pamqp.commands import Basic
+from pamqp.header import ContentHeader
+
+from reliable_mq._confirms import ConfirmTracker
+from reliable_mq._wire import (
+    MAX_EXPIRATION_MS,
+    Encoded,
+    check_timeout,
+    encode_headers,
+    encode_properties,
+    encode_publish,
+    publish_frames,
+)
+from reliable_mq.errors import InvalidMessage
+
+names = st.text(min_size=1, max_size=30).filter(lambda s: len(s.encode()) <= 128)
+leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=50)
+    | st.binary(max_size=50)
+    | st.decimals(
+        allow_nan=False, allow_infinity=False, places=2, min_value=-(10**6), max_value=10**6
+    )
+)
+values = st.recursive(
+    leaves,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(names, children, max_size=4),
+    max_leaves=12,
+)
+tables = st.dictionaries(names, values, max_size=6)
+
+
+def _normalise(value: Any) -> Any:
+    """pamqp decodes byte arrays to bytearray and lists stay lists."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, dict):
+        return {k: _normalise(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_normalise(v) for v in value]
+    return value
+
+
+def _decode(data: bytes) -> list[Any]:
+    frames = []
+    while data:
+        consumed, _, frame = pamqp.frame.unmarshal(data)
+        frames.append(frame)
+        data = data[consumed:]
+    return frames
+
+
+class TestFrames:
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        exchange=st.text(max_size=20),
+        routing_key=st.text(max_size=40),
+        mandatory=st.booleans(),
+        body=st.binary(max_size=3000),
+        headers=tables,
+        message_id=st.text(min_size=1, max_size=40),
+        priority=st.none() | st.integers(min_value=0, max_value=255),
+        expiration=st.none() | st.floats(min_value=0, max_value=1000),
+        frame_max=st.sampled_from([4096, 131072]),
+        channel=st.integers(min_value=1, max_value=2047),
+    )
+    def test_pamqp_decodes_what_we_encode(
+        self,
+        exchange: str,
+        routing_key: str,
+        mandatory: bool,
+        body: bytes,
+        headers: dict[str, Any],
+        message_id: str,
+        priority: int | None,
+        expiration: float | None,
+        frame_max: int,
+        channel: int,
+    ) -> None:
+        """Method, content header and body frames round-trip through pamqp."""
+        encoded = Encoded(
+            encode_publish(exchange, routing_key, mandatory),
+            encode_properties(
+                len(body),
+                content_type="application/octet-stream",
+                delivery_mode=2,
+                message_id=message_id,
+                headers=headers,
+                priority=priority,
+                expiration=expiration,
+                correlation_id="c",
+                reply_to="r",
+                message_type="t",
+                app_id="a",
+                timestamp=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+            ),
+            body,
+        )
+        frames = _decode(publish_frames(channel, encoded, frame_max))
+        method, header, *bodies = frames
+        assert isinstance(method, Basic.Publish)
+        assert (method.exchange, method.routing_key, method.mandatory) == (
+            exchange,
+            routing_key,
+            mandatory,
+        )
+        assert isinstance(header, ContentHeader)
+        assert header.body_size == len(body)
+        props = header.properties
+        assert props.message_id == message_id
+        assert props.delivery_mode == 2
+        assert props.priority == priority
+        assert props.expiration == (None if expiration is None else str(int(expiration * 1000)))
+        assert (props.correlation_id, props.reply_to, props.message_type, props.app_id) == (
+            "c",
+            "r",
+            "t",
+            "a",
+        )
+        assert _normalise(props.headers or {}) == _normalise(headers)
+        assert all(isinstance(b, ContentBody) for b in bodies)
+        assert b"".join(b.value for b in bodies) == body
+        assert all(len(b.value) <= frame_max - 8 for b in bodies)
+
+
+class TestRefusedBeforeSending:
+    @pytest.mark.parametrize(
+        ("headers", "match"),
+        [
+            ({"n": math.nan}, "finite"),
+            ({"n": math.inf}, "finite"),
+            ({"n": Decimal("NaN")}, "finite"),
+            ({"nested": {"x": [1, math.nan]}}, r"nested.*\[1\]"),
+            ({1: "x"}, "names must be str"),
+            ({"k" * 129: 1}, "limit is 128"),
+            ({"big": 2**64}, "64-bit"),
+            ({"set": {1, 2}}, "set is not an AMQP header value"),
+            ({"obj": object()}, "object is not an AMQP header value"),
+            ({"dec": Decimal("1e999999")}, "AMQP decimal"),
+            ({"old": dt.datetime(1969, 1, 1)}, "before 1970"),
+        ],
+    )
+    def test_headers(self, headers: dict[Any, Any], match: str) -> None:
+        """Unencodable header names and values are named, and nothing is truncated."""
+        with pytest.raises(InvalidMessage, match=match):
+            encode_headers(headers)
+
+    def test_deep_nesting_is_refused_not_a_recursion_error(self) -> None:
+        """A table nested 10,000 deep fails with InvalidMessage, not RecursionError."""
+        deep: dict[str, Any] = {}
+        cursor = deep
+        for _ in range(10_000):
+            cursor["x"] = {}
+            cursor = cursor["x"]
+        with pytest.raises(InvalidMessage, match="deeper than 32"):
+            encode_headers(deep)
+        nested: list[Any] = []
+        for _ in range(10_000):
+            nested = [nested]
+        with pytest.raises(InvalidMessage, match="deeper than 32"):
+            encode_headers({"l": nested})
+
+    @pytest.mark.parametrize(
+        ("field", "value", "match"),
+        [
+            ("expiration", -1, "finite and >= 0"),
+            ("expiration", math.nan, "finite and >= 0"),
+            ("expiration", math.inf, "finite and >= 0"),
+            ("expiration", (MAX_EXPIRATION_MS + 1000) / 1000, "limit"),
+            ("expiration", "10", "number of seconds"),
+            ("priority", 256, "0 to 255"),
+            ("priority", -1, "0 to 255"),
+            ("priority", True, "0 to 255"),
+            ("correlation_id", 5, "must be a str"),
+            ("reply_to", "r" * 256, "limit is 255"),
+            ("timestamp", "2026-01-01", "must be a datetime"),
+        ],
+    )
+    def test_properties(self, field: str, value: Any, match: str) -> None:
+        """Property types and ranges are checked, naming the field."""
+        with pytest.raises(InvalidMessage, match=match):
+            encode_properties(
+                0, content_type=None, delivery_mode=2, message_id="m", **{field: value}
+            )
+
+    @pytest.mark.parametrize("value", [math.nan, math.inf, -1, 0, "5", True, None])
+    def test_timeouts(self, value: Any) -> None:
+        """A timeout is finite and positive seconds."""
+        with pytest.raises(InvalidMessage, match="timeout"):
+            check_timeout(value)
+
+    def test_routing_key_and_exchange(self) -> None:
+        """Short strings are typed and measured in bytes of UTF-8."""
+        with pytest.raises(InvalidMessage, match="routing_key must be a str, not int"):
+            encode_publish("", 5, True)  # type: ignore[arg-type]
+        with pytest.raises(InvalidMessage, match="exchange is 256 bytes"):
+            encode_publish("é" * 128, "k", True)
+
+
+class TestConfirmTracker:
+    def test_multiple_ack_settles_the_prefix(self) -> None:
+        """A multiple ack settles every outstanding tag up to its own, in order."""
+        tracker: ConfirmTracker[str] = ConfirmTracker()
+        assert [tracker.add(x) for x in "abcde"] == [1, 2, 3, 4, 5]
+        assert tracker.settle(3, multiple=True) == ["a", "b", "c"]
+        assert len(tracker) == 2
+        assert tracker.settle(5, multiple=True) == ["d", "e"]
+        assert len(tracker) == 0
+
+    def test_out_of_order_single_acks_leave_holes(self) -> None:
+        """Single acks out of order settle one each; a later multiple skips the holes."""
+        tracker: ConfirmTracker[str] = ConfirmTracker()
+        for x in "abcd":
+            tracker.add(x)
+        assert tracker.settle(3, multiple=False) == ["c"]
+        assert tracker.settle(3, multiple=False) == []  # never twice
+        assert tracker.oldest() == "a"
+        assert tracker.settle(1, multiple=False) == ["a"]
+        assert tracker.settle(4, multiple=True) == ["b", "d"]
+        assert tracker.next_tag == 5
+
+    def test_unknown_tags_settle_nothing(self) -> None:
+        """A stale or future tag never resolves a publish."""
+        tracker: ConfirmTracker[str] = ConfirmTracker()
+        tracker.add("a")
+        assert tracker.settle(0, multiple=True) == []
+        assert tracker.settle(7, multiple=False) == []
+        assert tracker.settle(1, multiple=False) == ["a"]
+        assert tracker.settle(1, multiple=True) == []
+
+    def test_drain_hands_back_the_rest_in_order(self) -> None:
+        """A lost channel returns every outstanding publish, in tag order."""
+        tracker: ConfirmTracker[str] = ConfirmTracker()
+        for x in "abc":
+            tracker.add(x)
+        tracker.settle(2, multiple=False)
+        assert tracker.outstanding() == ["a", "c"]
+        assert tracker.drain() == ["a", "c"]
+        assert len(tracker) == 0 and tracker.oldest() is None
