@@ -332,8 +332,14 @@ class TestPublishDataFrame:
     def test_retried_task_duplicates_only_its_own_ids(
         self, spark: SparkSession, broker_url: str, spark_queue: str
     ) -> None:
-        """Partition 1 fails after half its rows; Spark retries; dedup by id gives 10,000."""
+        """Partition 1 fails after half its rows; Spark retries; dedup by id gives 10,000.
+
+        Rows go to the publisher in chunks of 10 x max_in_flight (here 1,000): the
+        first chunk of partition 1 was confirmed before the failure, the rows of the
+        chunk being read when the serializer raised were never sent.
+        """
         fail_at = ROWS_PER_PARTITION + ROWS_PER_PARTITION // 2  # the middle of partition 1
+        chunk = 1_000
 
         def serialize(row: Any) -> dict[str, Any]:
             context = TaskContext.get()
@@ -342,7 +348,12 @@ class TestPublishDataFrame:
                 raise RuntimeError("injected failure after half of partition 1")
             return {"order_id": row.order_id}
 
-        spec = _spec(broker_url, spark_queue, serializer=serialize)
+        spec = _spec(
+            broker_url,
+            spark_queue,
+            serializer=serialize,
+            publisher=PublisherSettings(max_in_flight=chunk // 10),
+        )
         report = publish_dataframe(_orders(spark), spec)
 
         assert (report.rows, report.confirmed) == (TOTAL, TOTAL)
@@ -351,7 +362,7 @@ class TestPublishDataFrame:
         messages = drain_queue_sync(broker_url, spark_queue)
         ids = _ids(messages)
         duplicated = {mid for mid, n in ids.items() if n > 1}
-        half = range(ROWS_PER_PARTITION, fail_at)
+        half = range(ROWS_PER_PARTITION, ROWS_PER_PARTITION + chunk)
         assert duplicated == {_order_id(spec, i) for i in half}
         assert set(ids.values()) == {1, 2}
         assert {m.headers[HEADER_PARTITION] for m in messages if m.message_id in duplicated} == {1}

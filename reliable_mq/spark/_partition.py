@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,13 +17,12 @@ from ..errors import (
     BrokerUnavailable,
     InvalidMessage,
     MessageTooLarge,
-    PublishOutcomeUnknown,
     PublishRefused,
     PublishUnroutable,
     ReliableMQError,
 )
 from ..log import get_logger
-from ..outcomes import PendingPublish
+from ..message import Message
 from ..publisher import ReliablePublisher
 from ._errors import PartitionNotConfirmed
 from ._plan import Prepared, PublishPlan, RowEncoder, TaskInfo
@@ -141,6 +138,7 @@ class _Outcome:
     """How one round ended: what failed (to send again), and why it stopped."""
 
     failed: list[Prepared] = field(default_factory=list)
+    unsent: list[Prepared] = field(default_factory=list)
     deterministic: ReliableMQError | None = None
     unavailable: BrokerUnavailable | None = None
     stop: bool = False
@@ -152,12 +150,11 @@ class _Outcome:
         elif isinstance(error, BrokerUnavailable):  # PublishUnavailable: the bound passed
             self.unavailable = self.unavailable or error
             self.stop = True
-        else:  # nacked or never confirmed: republished in the next round
+        else:  # nacked, never confirmed, deadline passed: republished in the next round
             self.failed.append(prepared)
-            if isinstance(error, PublishOutcomeUnknown):
-                # A deadline passed: the connection is in trouble. Feeding more
-                # rows would only make each of them wait out its own deadline.
-                self.stop = True
+            # Feeding more rows into a connection in trouble would only make
+            # each of them wait out its own deadline.
+            self.stop = True
 
 
 async def _publish_partition(
@@ -210,72 +207,72 @@ async def _publish_partition(
                 f"{counters.confirmed} messages confirmed before. Spark retries the task"
             )
             raise outcome.unavailable
-        exhausted = not outcome.stop
-        if not outcome.failed and exhausted:
+        if not outcome.stop:
             return _stats(task, counters, rounds, started)
+        retry = outcome.failed + outcome.unsent
         if rounds >= spec.max_task_attempts:
-            first = outcome.failed[0].message_id if outcome.failed else "-"
+            first = retry[0].message_id if retry else "-"
             raise PartitionNotConfirmed(
                 f"partition {task.partition} (task attempt {task.attempt}): "
-                f"{len(outcome.failed)} messages still unconfirmed after {rounds} rounds, "
+                f"{len(retry)} messages still unconfirmed after {rounds} rounds, "
                 f"first message_id={first}; Spark retries the task with the same message ids"
             )
         log.warning("spark_round_incomplete", round=rounds, unconfirmed=len(outcome.failed))
         counters.republished += len(outcome.failed)
-        retry = outcome.failed
         await asyncio.sleep(spec.publisher.backoff(rounds))
 
 
 async def _send(
     publisher: ReliablePublisher, exchange: str, source: Iterator[Prepared], outcome: _Outcome
 ) -> None:
-    """Stream ``source`` through the publisher's window and sort the outcomes.
+    """Publish ``source`` with ``publish_many`` in chunks, and sort the outcomes.
 
-    The one place that talks to the publisher: it becomes one
-    ``publish_many(..., max_failures=1)`` call once that API can hand back the
-    failed messages themselves (a round must republish them).
+    The one place that talks to the publisher. Chunks of ``10 x max_in_flight``
+    messages keep memory flat while every message of a chunk stays at hand: a
+    failure names its index, and a round must republish the message itself.
+    The window drains at each chunk's end (one confirm round trip per chunk).
+    A round stops at its first failure (``max_failures=1``); what was not sent
+    goes to the next round with the failures.
     """
-    in_flight: deque[tuple[PendingPublish, Prepared]] = deque()
-
-    def settle(pending: PendingPublish, prepared: Prepared) -> None:
+    size = 10 * publisher.settings.max_in_flight
+    while not outcome.stop:
+        chunk: list[Prepared] = []
         try:
-            pending.result()
-        except ReliableMQError as exc:
-            outcome.record(prepared, exc)
+            chunk.extend(itertools.islice(source, size))
+        except InvalidMessage as exc:  # our encoder: null key, NaN, null routing key...
+            outcome.deterministic = exc
+            outcome.stop = True
+        if not chunk:
+            return
+        try:
+            result = await publisher.publish_many(
+                (_message(prepared, exchange) for prepared in chunk),
+                max_failures=1,
+                raise_on_error=False,
+            )
+        except ReliableMQError as exc:  # the whole call refused: keep every message
+            outcome.record(chunk[0], exc)
+            outcome.stop = True
+            outcome.unsent.extend(chunk[1:])
+            return
+        for failure in result.failures:
+            outcome.record(chunk[failure.index], failure.error)
+        if result.stopped_early:
+            outcome.stop = True
+            outcome.unsent.extend(chunk[result.taken :])
+        if len(chunk) < size:
+            return
 
-    try:
-        while not outcome.stop:
-            try:
-                prepared = next(source)
-            except StopIteration:
-                break
-            except InvalidMessage as exc:  # our encoder: null key, NaN, null routing key...
-                outcome.deterministic = exc
-                outcome.stop = True
-                break
-            try:
-                pending = await publisher.enqueue(
-                    prepared.body,
-                    routing_key=prepared.routing_key,
-                    exchange=exchange,
-                    message_id=prepared.message_id,
-                    headers=prepared.headers,
-                    content_type=prepared.content_type,
-                )
-            except ReliableMQError as exc:  # raised before the message was in flight
-                outcome.record(prepared, exc)
-                continue
-            in_flight.append((pending, prepared))
-            while in_flight and in_flight[0][0].done():
-                settle(*in_flight.popleft())
-    finally:
-        # Every message in flight gets its outcome before the round ends, also
-        # when a user serializer raised: what was sent is confirmed first.
-        while in_flight:
-            pending, prepared = in_flight.popleft()
-            with contextlib.suppress(Exception):  # settle() reads the outcome
-                await pending
-            settle(pending, prepared)
+
+def _message(prepared: Prepared, exchange: str) -> Message:
+    return Message(
+        body=prepared.body,
+        routing_key=prepared.routing_key,
+        exchange=exchange,
+        message_id=prepared.message_id,
+        headers=prepared.headers,
+        content_type=prepared.content_type,
+    )
 
 
 def _stats(
