@@ -4,7 +4,7 @@ An optional extra: ``pip install 'reliable-mq[spark]'`` (PySpark 4.1+ and
 PyArrow). Nothing in ``reliable_mq/__init__.py`` imports this package.
 
 ```python
-from reliable_mq.spark import PublishSpec, publish_dataframe, register_data_source
+from reliable_mq.spark import PublishSpec, foreach_batch_sink, publish_dataframe, register_data_source
 
 spec = PublishSpec(
     url="amqp://guest:guest@rabbit:5672/",

@@ -116,13 +116,12 @@ def stop_after_current_batch(query: Any, *, timeout: float | None = None) -> boo
         True if the query stopped between batches, False if ``timeout`` passed first.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    idle = False
     while query.isActive:
         if not query.status.get("isTriggerActive", False):
-            idle = True
-            break
+            query.stop()
+            return True
         if deadline is not None and time.monotonic() >= deadline:
-            break
+            query.stop()
+            return False
         time.sleep(0.05)
-    query.stop()
-    return idle or not query.isActive
+    return True  # it had stopped already
