@@ -4,13 +4,17 @@ Listed under ``hooks:`` in ``mkdocs.yml``. A page that contains one of these
 markers gets it replaced at build time:
 
 ``<!-- reliable_mq:config -->``
-    every settings class in :mod:`reliable_mq.settings`: environment variable,
+    every settings class in `reliable_mq.settings`: environment variable,
     type, default, constraints and description of each field.
 ``<!-- reliable_mq:metrics -->``
-    every collector of :class:`reliable_mq.metrics.Metrics`: exposed name, type,
+    every collector of `reliable_mq.metrics.Metrics`: exposed name, type,
     labels and meaning.
 ``<!-- reliable_mq:exports -->``
     the names ``reliable_mq`` exports and the module each is defined in.
+``<!-- reliable_mq:api MODULE -->``
+    one ``::: MODULE.NAME`` block per name in ``MODULE.__all__``: the API
+    page shows the public objects, not the module docstring (which is about
+    internals; those are on the "How it works" page).
 
 Run it directly (``python docs/gen_config.py``) to print the three tables.
 """
@@ -30,7 +34,7 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
-_MARKER = re.compile(r"<!--\s*reliable_mq:(\w+)\s*-->")
+_MARKER = re.compile(r"<!--\s*reliable_mq:(\w+)(?:\s+([\w.]+))?\s*-->")
 _PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
 
 _CONSTRAINTS = {
@@ -44,8 +48,7 @@ _CONSTRAINTS = {
 
 
 def _markdown(text: str) -> str:
-    """reST roles and double backticks from docstrings, as Markdown code."""
-    text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
+    """Double backticks from docstrings as single ones (Markdown code)."""
     return text.replace("``", "`")
 
 
@@ -138,6 +141,11 @@ def config_tables() -> str:
     return "\n".join(out)
 
 
+def _breakable(name: str) -> str:
+    """A metric name as HTML code that may wrap after an underscore, never mid-word."""
+    return "<code>" + name.replace("_", "_<wbr>") + "</code>"
+
+
 def metrics_table() -> str:
     """Every collector, as Prometheus exposes it."""
     metrics_module = importlib.import_module("reliable_mq.metrics")
@@ -148,22 +156,39 @@ def metrics_table() -> str:
         kind: str = collector._type
         name: str = collector._name
         exposed = {
-            "counter": f"{name}_total",
-            "histogram": f"{name}_bucket / _sum / _count",
-        }.get(kind, name)
+            "counter": _breakable(f"{name}_total"),
+            "histogram": _breakable(f"{name}_bucket") + " / `_sum` / `_count`",
+        }.get(kind, _breakable(name))
         labels = ", ".join(f"`{label}`" for label in collector._labelnames) or "—"
         rows.append(
-            f"| `{exposed}` | {kind} | {labels} | {_escape(collector._documentation)} | `{field_name}` |"
+            f"| {exposed} | {kind} | {labels} | {_escape(collector._documentation)} | {_breakable(field_name)} |"
         )
     return "\n".join(rows) + "\n"
 
 
 def _documented_modules() -> set[str]:
-    """Modules rendered by a ``::: module`` line somewhere under docs/reference/."""
+    """Modules rendered by a ``::: module`` line or an api marker under docs/reference/."""
     found: set[str] = set()
     for page in (Path(__file__).parent / "reference").glob("*.md"):
-        found.update(re.findall(r"^:::\s+([\w.]+)\s*$", page.read_text(), re.MULTILINE))
+        text = page.read_text()
+        found.update(re.findall(r"^:::\s+([\w.]+)\s*$", text, re.MULTILINE))
+        found.update(re.findall(r"<!--\s*reliable_mq:api\s+([\w.]+)\s*-->", text))
     return found
+
+
+def api_blocks(module_name: str) -> str:
+    """``::: module.Name`` for every public name of ``module_name``, in ``__all__`` order."""
+    module = importlib.import_module(module_name)
+    documented = _documented_modules() - {module_name}
+    names = [
+        name
+        for name in getattr(module, "__all__", ())
+        # a re-export is documented where it is defined, if that page exists
+        if getattr(getattr(module, name), "__module__", None) not in documented
+    ]
+    if not names:
+        raise ValueError(f"{module_name} has no __all__ to document")
+    return "\n\n".join(f"::: {module_name}.{name}" for name in names) + "\n"
 
 
 def exports_table() -> str:
@@ -194,8 +219,11 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
     """mkdocs event: replace each marker by its generated table."""
 
     def replace(match: re.Match[str]) -> str:
-        generator = _GENERATORS.get(match.group(1))
-        if generator is None:
+        kind, argument = match.group(1), match.group(2)
+        if kind == "api" and argument:
+            return api_blocks(argument)
+        generator = _GENERATORS.get(kind)
+        if generator is None or argument:
             raise ValueError(f"unknown docs marker {match.group(0)}")
         return generator()
 

@@ -5,17 +5,17 @@ On one channel the broker numbers deliveries 1, 2, 3, ... and
 ``tag``. So a multiple ack is only safe over the contiguous prefix of tags whose
 handlers have finished: one delivery still in its handler blocks the prefix.
 
-:class:`AckTracker` keeps one state per outstanding tag, in tag order:
+`AckTracker` keeps one state per outstanding tag, in tag order:
 
 * ``IN_PROGRESS``: delivered, the handler has not finished. Never acked.
 * ``ACK_PENDING``: finished, waiting for the next (batched) ack frame.
 * ``SETTLED``: already settled on its own (a nack, a reject, a single ack).
   It no longer exists for the broker, so no frame may name its tag again.
 
-:meth:`AckTracker.take_prefix` pops the finished prefix and returns the highest
+`AckTracker.take_prefix()` pops the finished prefix and returns the highest
 ``ACK_PENDING`` tag in it (the one to send with ``multiple=true``); it never
 names a ``SETTLED`` tag, which the broker would answer with
-``PRECONDITION_FAILED - unknown delivery tag``. :meth:`AckTracker.take_stragglers`
+``PRECONDITION_FAILED - unknown delivery tag``. `AckTracker.take_stragglers()`
 returns finished tags stuck behind a slow delivery, to be acked one by one, so a
 slow handler does not hold every later delivery's prefetch slot.
 
@@ -141,7 +141,7 @@ class AckTracker:
     def take_stragglers(self) -> list[int]:
         """Finished tags behind an in-progress one, to ack singly (multiple=false).
 
-        Call :meth:`take_prefix` first. The tags become ``SETTLED``.
+        Call `take_prefix()` first. The tags become ``SETTLED``.
         """
         if not self._pending:
             return []

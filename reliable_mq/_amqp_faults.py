@@ -1,9 +1,9 @@
 """The one place that turns aiormq / aio-pika exceptions and close reasons into our outcomes.
 
 Like httpx's ``map_httpcore_exceptions``: no other module lists aiormq
-exception classes. Callers catch :data:`AMQP_ERRORS` (or use
-:func:`classify` on whatever they caught) and ``match`` on the
-:class:`FaultKind` of the resulting :class:`Fault`.
+exception classes. Callers catch `AMQP_ERRORS` (or use
+`classify()` on whatever they caught) and ``match`` on the
+`FaultKind` of the resulting `Fault`.
 
 Reply codes follow AMQP 0-9-1: 3xx are soft errors that close a channel or
 mean "forced", 4xx close the channel (the command was refused), 5xx close the
@@ -103,7 +103,7 @@ class FaultKind(enum.StrEnum):
     CHANNEL_LOST = "channel_lost"
     """The channel is gone for a reason that is not a refusal of our command: reopen."""
     NOT_FOUND = "not_found"
-    """404: the exchange or queue named in :attr:`Fault.entity` does not exist."""
+    """404: the exchange or queue named in `Fault.entity` does not exist."""
     REFUSED = "refused"
     """The broker refused a command we sent (403, 405, 406, 530, 540 or a 50x frame error).
 

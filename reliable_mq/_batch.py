@@ -12,7 +12,7 @@ __all__ = ("Batch",)
 
 
 class Batch:
-    """Collects the outcomes of one batch; :meth:`wait` returns when all are in."""
+    """Collects the outcomes of one batch; `wait()` returns when all are in."""
 
     __slots__ = (
         "_done",

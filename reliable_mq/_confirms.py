@@ -5,7 +5,7 @@ On a channel in confirm mode the broker numbers publishes 1, 2, 3, ... (the
 once, possibly out of order, and a frame with ``multiple=true`` settles every
 outstanding tag up to and including its ``delivery_tag``.
 
-:class:`ConfirmTracker` keeps the outstanding publishes of one channel in tag
+`ConfirmTracker` keeps the outstanding publishes of one channel in tag
 order, so a multiple ack resolves a whole range by popping from the front,
 without a future or a dictionary entry per message. Tags a single ack settled
 out of order are left as holes and skipped when the front reaches them.
@@ -37,7 +37,7 @@ class ConfirmTracker(Generic[T]):
 
     @property
     def next_tag(self) -> int:
-        """The tag the next :meth:`add` assigns."""
+        """The tag the next `add()` assigns."""
         return self._first + len(self._items)
 
     def add(self, item: T) -> int:

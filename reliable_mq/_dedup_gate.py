@@ -1,15 +1,15 @@
 """The consumer side of de-duplication: claim before the handler, complete or release after.
 
-One :class:`DedupGate` per consumed queue wraps that queue's
-:class:`~reliable_mq.dedup.DedupStore`. It never raises the store's
-:class:`~reliable_mq.dedup.DedupStoreUnavailable` to the consumer; it answers
+One `DedupGate` per consumed queue wraps that queue's
+[`DedupStore`][reliable_mq.dedup.DedupStore]. It never raises the store's
+[`DedupStoreUnavailable`][reliable_mq.dedup.DedupStoreUnavailable] to the consumer; it answers
 in a way that fails safe instead:
 
-* :meth:`DedupGate.claim` returns ``None`` (the consumer defers the delivery:
+* `DedupGate.claim()` returns ``None`` (the consumer defers the delivery:
   no ack as done, no handler run);
-* :meth:`DedupGate.complete` retries with backoff while the claim's lease
+* `DedupGate.complete()` retries with backoff while the claim's lease
   lasts, then returns False (the consumer requeues instead of acking);
-* :meth:`DedupGate.release` gives up after one try (the claim then ends with
+* `DedupGate.release()` gives up after one try (the claim then ends with
   its lease, and a retried copy is deferred until then).
 
 A store call interrupted by cancellation (a dead channel, a shutdown) is
@@ -92,8 +92,8 @@ class DedupGate:
     async def claim(self, delivery: Delivery) -> ClaimResult | None:
         """Claim the delivery's id; ``None`` when the store cannot answer.
 
-        On ``CLAIMED`` the delivery holds the claim until :meth:`complete` or
-        :meth:`release`.
+        On ``CLAIMED`` the delivery holds the claim until `complete()` or
+        `release()`.
         """
         message_id = delivery.message_id
         owner = f"{self.prefix}{next(self._counter)}"
@@ -113,7 +113,7 @@ class DedupGate:
         return result
 
     def claim_nowait(self, delivery: Delivery) -> ClaimResult | None:
-        """:meth:`claim` for a store with :attr:`nowait` (no coroutine)."""
+        """`claim()` for a store with `nowait` (no coroutine)."""
         assert self.nowait is not None
         owner = f"{self.prefix}{next(self._counter)}"
         try:
@@ -126,7 +126,7 @@ class DedupGate:
         return result
 
     def complete_nowait(self, delivery: Delivery) -> bool:
-        """:meth:`complete` for a store with :attr:`nowait`; False: use :meth:`complete`."""
+        """`complete()` for a store with `nowait`; False: use `complete()`."""
         assert self.nowait is not None
         owner = delivery._dedup_owner
         if owner is not None:

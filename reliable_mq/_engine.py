@@ -13,9 +13,9 @@ per message:
   error carrying the reply code and text, and the others are republished.
   When the reply text names the exchange, the culprits are the messages to it;
   otherwise the suspects are re-sent in halves, one half at a time, until the
-  one the broker refuses is alone (:class:`Isolation`);
+  one the broker refuses is alone (`Isolation`);
 * deadlines, stuck channels and long outages are enforced by one periodic
-  sweep (:meth:`Engine.tick`).
+  sweep (`Engine.tick()`).
 """
 
 from __future__ import annotations

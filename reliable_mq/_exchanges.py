@@ -6,7 +6,7 @@ publish to an exchange waits for a ``exchange.declare(passive=True)`` on a
 separate probe channel; only a 404 there fails the message, and the confirm
 channel never sees it. The answer is cached: "exists" until a publish channel
 is closed with a 404 naming the exchange, "refused" (for example an internal
-exchange, 403) for :data:`REFUSAL_TTL` seconds, so a loop publishing to a bad
+exchange, 403) for `REFUSAL_TTL` seconds, so a loop publishing to a bad
 exchange fails locally and fast instead of closing the confirm channel again
 and again.
 """
@@ -92,14 +92,20 @@ class ExchangeCache:
         fault: Fault | None = None
         for attempt in range(_PROBE_ATTEMPTS):
             try:
-                channel = await self._open_channel()
-                async with asyncio.timeout(self._open_timeout):
-                    await channel.exchange_declare(exchange=exchange, passive=True)
+                # One probe at a time: a 404 closes the probe channel, and with it
+                # every other declare in flight on it, each raising that 404.
+                async with self._lock:
+                    channel = await self._open_channel()
+                    async with asyncio.timeout(self._open_timeout):
+                        await channel.exchange_declare(exchange=exchange, passive=True)
             except ClosedError:
                 raise
             except AMQP_ERRORS as exc:
                 fault = classify(exc)
                 assert fault is not None
+                if fault.kind is FaultKind.NOT_FOUND and not fault.names("exchange", exchange):
+                    await asyncio.sleep(0)  # someone else's 404: ask again
+                    continue
                 if fault.kind is FaultKind.NOT_FOUND or fault.refusal:
                     self._log.debug(
                         "exchange_probe_refused", exchange=exchange, reason=fault.describe()
@@ -113,16 +119,15 @@ class ExchangeCache:
         return fault
 
     async def _open_channel(self) -> aiormq.Channel:
-        async with self._lock:
-            channel = self._channel
-            if channel is not None and not channel.is_closed:
-                return channel
-            connection = await self._supervisor.wait_connected()
-            transport = connection.transport
-            if transport is None:
-                raise ConnectionError("connection has no transport")
-            async with asyncio.timeout(self._open_timeout):
-                opened = await transport.connection.channel(publisher_confirms=False)
-            assert isinstance(opened, aiormq.Channel)
-            self._channel = opened
-            return opened
+        channel = self._channel
+        if channel is not None and not channel.is_closed:
+            return channel
+        connection = await self._supervisor.wait_connected()
+        transport = connection.transport
+        if transport is None:
+            raise ConnectionError("connection has no transport")
+        async with asyncio.timeout(self._open_timeout):
+            opened = await transport.connection.channel(publisher_confirms=False)
+        assert isinstance(opened, aiormq.Channel)
+        self._channel = opened
+        return opened

@@ -1,8 +1,8 @@
 """Per-channel delivery state of the consumer: acks, retries and dead letters.
 
-A :class:`Session` lives as long as one channel of one consumed queue. Every
+A `Session` lives as long as one channel of one consumed queue. Every
 delivery is settled through the session it came from; once its channel is gone
-(:meth:`Session.dead`) settles are dropped and counted as stale, because the
+(`Session.dead()`) settles are dropped and counted as stale, because the
 broker has already requeued those deliveries and their tags mean nothing on
 any other channel.
 """
@@ -158,7 +158,7 @@ class Route:
 
 
 class Session:
-    """One channel's life for one route; the :class:`Settler` of its deliveries."""
+    """One channel's life for one route; the `Settler` of its deliveries."""
 
     def __init__(self, shared: Shared, route: Route, channel: Channel) -> None:
         self.shared = shared
@@ -188,7 +188,7 @@ class Session:
         self.route.metrics.stale.inc(deliveries)
 
     async def _write(self, kind: str, tag: int, deliveries: int, *, wait: bool = False) -> bool:
-        """Write one settle frame; the caller holds :attr:`lock`. False if the channel is gone."""
+        """Write one settle frame; the caller holds `lock`. False if the channel is gone."""
         channel = self.channel
         if not self.alive or channel.is_closed:
             self._stale(deliveries)

@@ -10,7 +10,7 @@ iteration are joined into one buffer and put on the write queue as one item
 replaced on our channel only:
 
 * ``_on_confirm_frame``: a ``basic.ack``/``basic.nack`` settles a range of
-  delivery tags in a :class:`~reliable_mq._confirms.ConfirmTracker`;
+  delivery tags in a `ConfirmTracker`;
 * ``_on_return_frame``: a ``basic.return`` (which comes before its ack) is
   reported by message id;
 * ``_on_close_frame``: a broker ``channel.close`` stops our writes at once
@@ -19,7 +19,7 @@ replaced on our channel only:
 
 Each channel is a *generation*. When it dies (or we replace it), its
 unconfirmed messages are handed back in tag order with the classified
-:class:`~reliable_mq._amqp_faults.Fault`, and the next generation opens.
+`Fault`, and the next generation opens.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class Window:
         return False
 
     async def acquire(self, deadline: float) -> None:
-        """Wait for a slot until ``deadline`` (loop time; enforced by :meth:`expire`).
+        """Wait for a slot until ``deadline`` (loop time; enforced by `expire()`).
 
         Raises:
             TimeoutError: the deadline passed first.

@@ -6,7 +6,7 @@ payloads of its ``basic.publish`` method frame and its content header; each
 attempt then only wraps those payloads (and the body) in frame headers for the
 channel it goes out on. Everything the broker would refuse after the fact and
 that the client can check is refused here, before anything is sent, with an
-:class:`~reliable_mq.errors.InvalidMessage` naming the field:
+[`InvalidMessage`][reliable_mq.errors.InvalidMessage] naming the field:
 
 * short strings (exchange, routing key, message id, content type...) at most
   255 bytes of UTF-8; header names at most 128 bytes (the AMQP limit pamqp

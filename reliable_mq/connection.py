@@ -32,7 +32,7 @@ _SHORT_LIFE = 2.0
 
 
 class ConnectionState(enum.StrEnum):
-    """Where a :class:`ConnectionSupervisor` is in its life."""
+    """Where a `ConnectionSupervisor` is in its life."""
 
     IDLE = "idle"
     """Not started."""

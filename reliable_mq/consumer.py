@@ -1,18 +1,18 @@
 """ReliableConsumer: bounded prefetch, typed handlers, acks exactly once, delayed retries.
 
 One channel per consumed queue, opened on a connection kept by a
-:class:`~reliable_mq.connection.ConnectionSupervisor`. The hot path sits on
+`ConnectionSupervisor`. The hot path sits on
 aiormq (``basic_consume`` with a plain callback, ``basic_ack`` without waiting
 for a drain), below aio-pika's per-message objects.
 
-Every channel is a *session* with its own :class:`~reliable_mq._acks.AckTracker`
+Every channel is a *session* with its own `AckTracker`
 and send lock. A delivery is settled through the session it came from, once
-(:meth:`Delivery.claim`). When that channel has died, the settle is dropped and
+(`Delivery.claim()`). When that channel has died, the settle is dropped and
 counted (``stale_settles``): the broker already requeued the message, and its
 old tag must never reach a new channel (``PRECONDITION_FAILED - unknown
 delivery tag`` would close it).
 
-Outcomes (see :class:`~reliable_mq.handlers.AckPolicy`):
+Outcomes (see [`AckPolicy`][reliable_mq.handlers.AckPolicy]):
 
 * return: ack (batched into ``basic.ack(multiple=true)`` over the contiguous
   prefix of finished tags, flushed by count and every ``ack_flush_interval``);
@@ -24,9 +24,9 @@ Outcomes (see :class:`~reliable_mq.handlers.AckPolicy`):
 Frames of one channel are written in the order they were decided (a FIFO
 lock), so an individual nack is never overtaken by a later multiple ack.
 
-De-duplication (on by default, see :class:`ReliableConsumer`): before the
+De-duplication (on by default, see `ReliableConsumer`): before the
 handler runs, the delivery's ``message_id`` is claimed in a
-:class:`~reliable_mq.dedup.DedupStore`. Done already: ack and skip. Claimed by
+[`DedupStore`][reliable_mq.dedup.DedupStore]. Done already: ack and skip. Claimed by
 another consumer, or the store cannot answer: defer through the first retry
 queue without counting an attempt. Success: mark done, then ack. Failure:
 release the claim, then retry or dead-letter as above.
@@ -80,7 +80,7 @@ from .log import get_logger
 from .metrics import Metrics
 from .publisher import ReliablePublisher
 from .settings import ConnectionSettings, ConsumerSettings, PublisherSettings
-from .topology import QueueTopology, declare_topology
+from .topology import QueueTopology, prepare_topology
 
 __all__ = (
     "DEAD_LETTER_HEADERS",
@@ -113,17 +113,17 @@ class ConsumerStats(NamedTuple):
 class ReliableConsumer(Router):
     """Consumes queues with manual acks, bounded prefetch, delayed retries and a DLQ.
 
-    ::
+    ```python
+    consumer = ReliableConsumer("amqp://guest:guest@127.0.0.1/", prefetch=200)
 
-        consumer = ReliableConsumer("amqp://guest:guest@127.0.0.1/", prefetch=200)
+    @consumer.handler("orders")
+    async def on_order(order: Order, delivery: Delivery) -> None: ...
 
-        @consumer.handler("orders")
-        async def on_order(order: Order, delivery: Delivery) -> None: ...
-
-        await consumer.run()  # until stop(), SIGTERM or SIGINT
+    await consumer.run()  # until stop(), SIGTERM or SIGINT
+    ```
 
     De-duplication is on by default: each consumer gets a
-    :class:`~reliable_mq.dedup.MemoryDedupStore` of its own (settings
+    [`MemoryDedupStore`][reliable_mq.dedup.MemoryDedupStore] of its own (settings
     ``dedup_retention``, ``dedup_max_entries``), which catches redeliveries and
     republished copies that reach *this* process. Several consumer processes on
     one queue need a shared store (``RedisDedupStore``); ``dedup=None`` turns
@@ -133,7 +133,7 @@ class ReliableConsumer(Router):
 
     Args:
         connection: an AMQP URL (several, comma separated, fail over), or
-            :class:`ConnectionSettings`; default: from ``RELIABLE_MQ_*`` variables.
+            `ConnectionSettings`; default: from ``RELIABLE_MQ_*`` variables.
         settings: prefetch, concurrency, retries...; default: from
             ``RELIABLE_MQ_CONSUMER_*`` variables. Keyword ``overrides`` (for
             example ``prefetch=50``) replace single fields.
@@ -141,9 +141,9 @@ class ReliableConsumer(Router):
             dead letters with confirms.
         registry: the Prometheus registry for metrics (default: the global one).
         metrics_prefix: the metric name prefix.
-        dedup: ``"memory"`` (default): a :class:`~reliable_mq.dedup.MemoryDedupStore`
+        dedup: ``"memory"`` (default): a [`MemoryDedupStore`][reliable_mq.dedup.MemoryDedupStore]
             owned and closed by this consumer; a
-            :class:`~reliable_mq.dedup.DedupStore` (shared, e.g. Redis; the
+            [`DedupStore`][reliable_mq.dedup.DedupStore] (shared, e.g. Redis; the
             caller closes it); or ``None``: no de-duplication.
 
     Raises:
@@ -348,7 +348,7 @@ class ReliableConsumer(Router):
         self._log.info("consumer_started", queues=list(self._routes))
 
     async def run(self) -> None:
-        """Start, consume until :meth:`stop` or SIGTERM/SIGINT, then shut down gracefully.
+        """Start, consume until `stop()` or SIGTERM/SIGINT, then shut down gracefully.
 
         Signal handlers are installed only while ``run()`` runs (main thread
         only) and the previous ones are restored afterwards.
@@ -363,7 +363,7 @@ class ReliableConsumer(Router):
             await self.stop()
 
     def request_stop(self) -> None:
-        """Ask a running :meth:`run` to stop (safe from a signal handler or callback)."""
+        """Ask a running `run()` to stop (safe from a signal handler or callback)."""
         if self._stop_requested is not None:
             self._stop_requested.set()
 
@@ -496,9 +496,10 @@ class ReliableConsumer(Router):
         aio_channel = None
         try:
             async with asyncio.timeout(self._connection_settings.connect_timeout):
+                check = await prepare_topology(
+                    connection, route.topology, declare=route.spec.declare
+                )
                 aio_channel = await connection.channel(publisher_confirms=False)
-                if route.spec.declare:
-                    await declare_topology(aio_channel, route.topology)
                 channel = cast(Channel, await aio_channel.get_underlay_channel())
                 await channel.basic_qos(prefetch_count=self.settings.prefetch)
                 session = Session(self._shared, route, channel)
@@ -516,7 +517,12 @@ class ReliableConsumer(Router):
         session.consumer_tag = ok.consumer_tag
         route.session = session
         route.ready.set()
-        route.log.debug("consuming", consumer_tag=ok.consumer_tag)
+        if first:
+            if check.adopted:
+                route.log.warning("queue_used_as_is", detail=check.warning(route.topology))
+            route.log.info("consuming", prefetch=self.settings.prefetch, messages=check.messages)
+        else:
+            route.log.debug("consuming", consumer_tag=ok.consumer_tag)
 
     async def _wait_session_end(self, session: Session) -> str:
         """Wait until the channel closes, or the broker cancels our consumer.

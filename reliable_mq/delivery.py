@@ -2,8 +2,8 @@
 
 A handler normally lets the consumer settle the delivery from its outcome
 (return: ack, ``Retry``: retry, ``Reject``: dead-letter). It can also settle it
-itself with :meth:`Delivery.ack`, :meth:`Delivery.retry`,
-:meth:`Delivery.reject` or :meth:`Delivery.nack`. Only the first settle counts:
+itself with `Delivery.ack()`, `Delivery.retry()`,
+`Delivery.reject()` or `Delivery.nack()`. Only the first settle counts:
 a second one is a no-op that logs a warning and returns False, never a channel
 error.
 """
@@ -193,7 +193,7 @@ class Delivery:
     async def nack(self, *, requeue: bool = True) -> bool:
         """Send a plain ``basic.nack`` (requeue: back to the queue head, no delay).
 
-        Prefer :meth:`retry`; with ``requeue=False`` the broker drops the message
+        Prefer `retry()`; with ``requeue=False`` the broker drops the message
         unless the queue has a dead-letter exchange (the topology helper sets one).
 
         Returns:

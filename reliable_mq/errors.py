@@ -216,7 +216,7 @@ class PublishUnavailable(PublishError, BrokerUnavailable):
 
 
 class PublishBatchError(ReliableMQError):
-    """``publish_many()`` ended with failed messages; :attr:`result` has every outcome.
+    """``publish_many()`` ended with failed messages; `result` has every outcome.
 
     Attributes:
         result: the batch's ``BatchResult`` (counts, and each failure with its

@@ -1,19 +1,21 @@
 """Handler registration, body decoding by annotation, ack policies and handler signals.
 
 A handler is an ``async def`` taking the decoded body, optionally followed by the
-:class:`~reliable_mq.delivery.Delivery`::
+[`Delivery`][reliable_mq.delivery.Delivery]:
 
-    @router.handler("orders")
-    async def on_order(order: Order, delivery: Delivery) -> None: ...
+```python
+@router.handler("orders")
+async def on_order(order: Order, delivery: Delivery) -> None: ...
+```
 
 The body's annotation picks the decoder: a pydantic model (JSON, validated),
 ``dict``/``list`` or any other type pydantic can validate (JSON), ``str``
 (UTF-8), ``bytes`` or no annotation (raw). A body that fails to decode is
 dead-lettered at once with the error in its headers; the handler never runs.
 
-Handlers steer the outcome by raising :class:`Retry` (delayed retry) or
-:class:`Reject` (dead-letter now). These are control-flow signals, not errors:
-they do not derive from :class:`~reliable_mq.errors.ReliableMQError`.
+Handlers steer the outcome by raising `Retry` (delayed retry) or
+`Reject` (dead-letter now). These are control-flow signals, not errors:
+they do not derive from [`ReliableMQError`][reliable_mq.errors.ReliableMQError].
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ _F = TypeVar("_F", bound=HandlerFunc)
 
 
 class UseConsumerDedup(enum.Enum):
-    """The type of :data:`USE_CONSUMER_DEDUP`."""
+    """The type of `USE_CONSUMER_DEDUP`."""
 
     TOKEN = "use-consumer-dedup"
 
@@ -124,7 +126,7 @@ def _check_json_content_type(content_type: str | None) -> None:
 
 
 BodyDecoder = Callable[[bytes, "str | None"], Any]
-"""``(body, content_type) -> value``; raises :class:`BodyDecodeError`."""
+"""``(body, content_type) -> value``; raises `BodyDecodeError`."""
 
 
 def _decode_bytes(body: bytes, content_type: str | None) -> Any:
@@ -212,7 +214,7 @@ class HandlerSpec:
         declare: declare the queue, its retry queues and DLQ on start.
         queue_arguments: extra arguments for the work queue declaration.
         dedup: this handler's de-duplication store, ``None`` for none, or
-            :data:`USE_CONSUMER_DEDUP` (the consumer's ``dedup``).
+            `USE_CONSUMER_DEDUP` (the consumer's ``dedup``).
     """
 
     queue: str
@@ -295,7 +297,7 @@ class HandlerSpec:
 
 
 class Router:
-    """Collects handlers; a :class:`~reliable_mq.consumer.ReliableConsumer` is one.
+    """Collects handlers; a [`ReliableConsumer`][reliable_mq.consumer.ReliableConsumer] is one.
 
     Build handlers in a module with a router, then
     ``consumer.include_router(router)``.
@@ -322,7 +324,7 @@ class Router:
         """Register ``func`` for ``queue`` (one handler per queue).
 
         ``dedup`` overrides the consumer's de-duplication store for this
-        handler: a :class:`~reliable_mq.dedup.DedupStore`, or ``None`` to run
+        handler: a [`DedupStore`][reliable_mq.dedup.DedupStore], or ``None`` to run
         every copy of a message.
 
         Raises:
@@ -358,7 +360,7 @@ class Router:
         queue_arguments: dict[str, Any] | None = None,
         dedup: HandlerDedup = USE_CONSUMER_DEDUP,
     ) -> Callable[[_F], _F]:
-        """Decorator form of :meth:`add_handler`; returns the function unchanged."""
+        """Decorator form of `add_handler()`; returns the function unchanged."""
 
         def register(func: _F) -> _F:
             self.add_handler(

@@ -1,4 +1,4 @@
-"""Outgoing messages: the options of ``publish()`` and the :class:`Message` of ``publish_many()``."""
+"""Outgoing messages: the options of ``publish()`` and the `Message` of ``publish_many()``."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def exchange_label(exchange: str) -> str:
 
 @dataclass(frozen=True)
 class Metrics:
-    """Every reliable_mq collector; get one with :meth:`Metrics.on`."""
+    """Every reliable_mq collector; get one with `Metrics.on()`."""
 
     published: Counter
     confirmed: Counter
@@ -51,6 +51,11 @@ class Metrics:
     dead_lettered: Counter
     stale_settles: Counter
     ack_batches: Counter
+    outbox_pending: Gauge
+    outbox_oldest_age: Gauge
+    outbox_dispatched: Counter
+    outbox_failed: Counter
+    outbox_batch_latency: Histogram
 
     @classmethod
     def on(cls, registry: CollectorRegistry | None = None, prefix: str = "reliable_mq") -> Metrics:
@@ -157,6 +162,30 @@ class Metrics:
             ),
             ack_batches=counter(
                 "ack_batches_total", "basic.ack frames sent (multiple or single).", "queue"
+            ),
+            outbox_pending=gauge(
+                "outbox_pending_rows", "Outbox rows committed and not yet confirmed.", "table"
+            ),
+            outbox_oldest_age=gauge(
+                "outbox_oldest_pending_age_seconds",
+                "Age of the oldest pending outbox row: the relay's lag.",
+                "table",
+            ),
+            outbox_dispatched=counter(
+                "outbox_dispatched_rows_total", "Outbox rows published and confirmed.", "table"
+            ),
+            outbox_failed=counter(
+                "outbox_failed_rows_total",
+                "Outbox row dispatches that failed (outcome: retry, dead).",
+                "table",
+                "outcome",
+            ),
+            outbox_batch_latency=Histogram(
+                f"{prefix}_outbox_batch_seconds",
+                "Time from claiming an outbox batch to committing its outcomes.",
+                ("table",),
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
             ),
         )
 

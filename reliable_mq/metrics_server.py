@@ -1,21 +1,23 @@
 """Serve the Prometheus metrics over HTTP, for a scraper or ``curl``.
 
-A thin wrapper over :func:`prometheus_client.start_http_server`: the server runs
+A thin wrapper over `prometheus_client.start_http_server()`: the server runs
 in a daemon thread and answers ``GET /metrics`` (any path, in fact) with the
 text exposition format of one registry. The only differences are the defaults:
 it listens on ``127.0.0.1`` rather than on every interface (metrics tell a lot
 about a system; expose them on purpose), and it serves the registry you passed
-to your publishers and consumers::
+to your publishers and consumers:
 
-    registry = CollectorRegistry()
-    server, thread = start_metrics_server(9464, registry=registry)
-    async with ReliablePublisher(url, registry=registry) as publisher:
-        ...
-    stop_metrics_server(server, thread)
+```python
+registry = CollectorRegistry()
+server, thread = start_metrics_server(9464, registry=registry)
+async with ReliablePublisher(url, registry=registry) as publisher:
+    ...
+stop_metrics_server(server, thread)
+```
 
 Pass ``port=0`` to get a free port; read it back from ``server.server_port``.
 Applications that already run an HTTP server (aiohttp, FastAPI...) should
-mount :func:`prometheus_client.make_asgi_app` / ``make_wsgi_app`` there instead.
+mount `prometheus_client.make_asgi_app()` / ``make_wsgi_app`` there instead.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def start_metrics_server(
             which is also the publisher's and consumer's default).
 
     Returns:
-        The running server and its thread; pass both to :func:`stop_metrics_server`.
+        The running server and its thread; pass both to `stop_metrics_server()`.
 
     Raises:
         OSError: the address cannot be bound (port in use, bad address).
@@ -56,7 +58,7 @@ def start_metrics_server(
 def stop_metrics_server(
     server: WSGIServer, thread: threading.Thread, timeout: float | None = 5.0
 ) -> None:
-    """Stop a server started by :func:`start_metrics_server` and free its port."""
+    """Stop a server started by `start_metrics_server()` and free its port."""
     server.shutdown()
     server.server_close()
     thread.join(timeout)

@@ -57,7 +57,7 @@ class BatchResult:
     """The outcome of ``publish_many()``.
 
     Every message taken from the input ended confirmed or is in
-    :attr:`failures`; ``confirmed + len(failures) == taken`` always holds.
+    `failures`; ``confirmed + len(failures) == taken`` always holds.
 
     Attributes:
         taken: messages taken from the input.

@@ -86,10 +86,12 @@ class PublisherState(enum.StrEnum):
 class ReliablePublisher:
     """Publishes with confirms, republishes until confirmed, never waits forever.
 
-    Use it as an async context manager::
+    Use it as an async context manager:
 
-        async with ReliablePublisher("amqp://guest:guest@127.0.0.1/") as publisher:
-            result = await publisher.publish({"order": 1}, routing_key="orders")
+    ```python
+    async with ReliablePublisher("amqp://guest:guest@127.0.0.1/") as publisher:
+        result = await publisher.publish({"order": 1}, routing_key="orders")
+    ```
 
     Args:
         connection: an AMQP URL (several, comma separated, fail over), or

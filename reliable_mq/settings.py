@@ -2,7 +2,7 @@
 
 Each section is its own ``BaseSettings`` so an application can configure the
 publisher without knowing about the consumer. Invalid values raise
-:class:`~reliable_mq.errors.InvalidSettings` naming the field, and never echo
+[`InvalidSettings`][reliable_mq.errors.InvalidSettings] naming the field, and never echo
 the input (a URL may carry a password).
 """
 
@@ -47,7 +47,7 @@ def redact_credentials(text: str) -> str:
     """Replace the password of every ``scheme://user:password@`` inside ``text``.
 
     For free text that may quote a URL (an error message, a traceback), where
-    :func:`redact_url` cannot be applied because the URL is not separate.
+    `redact_url()` cannot be applied because the URL is not separate.
     """
     return _CREDENTIALS.sub(r"\1***@", text)
 
@@ -182,7 +182,7 @@ class ConnectionSettings(_Settings):
 
 
 class PublisherSettings(_Settings):
-    """The confirm window, deadlines and retry policy of a :class:`ReliablePublisher`."""
+    """The confirm window, deadlines and retry policy of a `ReliablePublisher`."""
 
     model_config = SettingsConfigDict(env_prefix="RELIABLE_MQ_PUBLISHER_")
 
@@ -239,7 +239,7 @@ class PublisherSettings(_Settings):
 
 
 class ConsumerSettings(_Settings):
-    """Prefetch, concurrency, timeouts, retries and ack batching of a :class:`ReliableConsumer`.
+    """Prefetch, concurrency, timeouts, retries and ack batching of a `ReliableConsumer`.
 
     ``prefetch`` is the ``basic.qos`` count per consumed queue: the most
     deliveries that can be unacknowledged (in a handler, or finished and waiting

@@ -22,13 +22,32 @@ the hop back cannot lose a message.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
+import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from aio_pika.abc import AbstractChannel
+from aio_pika.abc import AbstractChannel, AbstractConnection
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
 
-__all__ = ("QueueTopology", "QueueType", "declare_topology", "delete_topology")
+from ._amqp_faults import AMQP_ERRORS, Fault, FaultKind, classify
+from .connection import ConnectionSupervisor
+from .errors import ConsumerError
+from .metrics import Metrics
+from .settings import ConnectionSettings
+
+__all__ = (
+    "QueueCheck",
+    "QueueTopology",
+    "QueueType",
+    "declare_topology",
+    "delete_topology",
+    "prepare_topology",
+)
 
 
 class QueueType(enum.StrEnum):
@@ -93,7 +112,13 @@ class QueueTopology:
 
     @property
     def all_queues(self) -> tuple[str, ...]:
+        """The work queue, every retry queue and the DLQ."""
         return (self.queue, *self.retry_queues, self.dead_letter_queue)
+
+    @property
+    def side_queues(self) -> tuple[str, ...]:
+        """The queues the library owns: the DLQ and every retry queue."""
+        return (self.dead_letter_queue, *self.retry_queues)
 
     def _type_args(self) -> dict[str, Any]:
         if self.queue_type is QueueType.QUORUM:
@@ -124,13 +149,47 @@ class QueueTopology:
         return self._type_args()
 
 
-async def declare_topology(channel: AbstractChannel, topology: QueueTopology) -> None:
+async def declare_topology(
+    target: AbstractChannel | str | ConnectionSettings, topology: QueueTopology | str
+) -> None:
     """Declare (idempotently) every queue of ``topology``, all durable.
 
+    Args:
+        target: an open aio-pika channel, or where to connect: an AMQP URL
+            (several, comma separated, fail over) or
+            [`ConnectionSettings`][reliable_mq.settings.ConnectionSettings]; a
+            connection is then opened for the declaration and closed again.
+        topology: the queue set, or just the work queue's name for the
+            defaults (the same set a `ReliableConsumer` with default settings
+            declares).
+
     Raises:
-        aio_pika.exceptions.ChannelPreconditionFailed: a queue exists with other
-            arguments (the channel is closed by the broker).
+        ConsumerError: a queue exists with other arguments, or the broker refused
+            the declaration (when called with a channel, the broker has closed it).
+        BrokerUnavailable: ``target`` is a URL and no broker accepted a connection.
     """
+    if isinstance(topology, str):
+        topology = QueueTopology(topology)
+    if isinstance(target, AbstractChannel):
+        try:
+            await _declare_all(target, topology)
+        except AMQP_ERRORS as exc:
+            fault = classify(exc)
+            if fault is None or not fault.refusal:
+                raise
+            raise ConsumerError(
+                f"cannot declare the queues of {topology.queue!r}: {fault.describe()}"
+            ) from None
+        return
+    async with _connection(target) as connection:
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            await declare_topology(channel, topology)
+        finally:
+            await _close_quietly(channel)
+
+
+async def _declare_all(channel: AbstractChannel, topology: QueueTopology) -> None:
     await channel.declare_queue(
         topology.dead_letter_queue, durable=True, arguments=topology.dead_letter_queue_arguments()
     )
@@ -149,3 +208,207 @@ async def delete_topology(channel: AbstractChannel, topology: QueueTopology) -> 
     """Delete every queue of ``topology`` (their messages are lost; for tests and tooling)."""
     for name in topology.all_queues:
         await channel.queue_delete(name)
+
+
+# -- bring your own queue --------------------------------------------------------------
+
+_INEQUIVALENT = re.compile(r"inequivalent arg '([^']+)'.*?received (.*?) but current is (.*)$")
+
+
+@dataclass(frozen=True)
+class QueueCheck:
+    """What [`prepare_topology`][reliable_mq.topology.prepare_topology] found.
+
+    Attributes:
+        queue: the work queue.
+        messages: messages ready in the work queue when it was checked.
+        consumers: consumers the work queue had when it was checked.
+        adopted: the work queue already existed with other arguments than the
+            consumer would declare, and is used as it is.
+        difference: the broker's reason for the difference (``""`` unless adopted).
+        missing: what the adopted queue's own arguments do not give, in one
+            sentence (``""`` when nothing is known to be missing).
+    """
+
+    queue: str
+    messages: int = 0
+    consumers: int = 0
+    adopted: bool = False
+    difference: str = ""
+    missing: str = ""
+
+    def warning(self, topology: QueueTopology) -> str:
+        """The one warning to log for an adopted queue (``""`` if not adopted)."""
+        if not self.adopted:
+            return ""
+        text = (
+            f"queue {self.queue!r} exists with other arguments and is used as it is "
+            f"(broker: {self.difference}). Retries ({', '.join(topology.retry_queues)}) and "
+            f"dead letters ({topology.dead_letter_queue}) still work: they are published "
+            "with confirms."
+        )
+        return f"{text} Missing: {self.missing}" if self.missing else text
+
+
+def _missing_safety_net(fault: Fault, topology: QueueTopology) -> str:
+    match = _INEQUIVALENT.search(fault.reply_text)
+    if match is None:
+        return ""
+    argument, _received, current = match.groups()
+    current = current.strip()
+    dlq = topology.dead_letter_queue
+    policy = (
+        f"rabbitmqctl set_policy {topology.queue}-dlx '^{re.escape(topology.queue)}$' "
+        f'\'{{"dead-letter-exchange":"","dead-letter-routing-key":"{dlq}"}}\' --apply-to queues'
+    )
+    if argument == "x-dead-letter-exchange" and current == "none":
+        return (
+            "it has no dead-letter exchange, so a message rejected without requeue (by "
+            f"another client, a length limit or a last-resort reject) is dropped instead of "
+            f"reaching {dlq}. Add one without redeclaring the queue with a policy: {policy}"
+        )
+    if argument in ("x-dead-letter-exchange", "x-dead-letter-routing-key"):
+        return (
+            f"its {argument} is {current}, so messages rejected without requeue go there, "
+            f"not to {dlq}"
+        )
+    if argument == "durable":
+        return "it is not durable: it and its messages are lost when the broker restarts"
+    if argument == "x-queue-type":
+        return f"its type is {current}, not {topology.queue_type.value}"
+    return ""
+
+
+async def _close_quietly(channel: AbstractChannel) -> None:
+    if channel.is_closed:
+        return
+    with contextlib.suppress(*AMQP_ERRORS, RuntimeError):
+        async with asyncio.timeout(5):
+            await channel.close()
+
+
+async def _declare_one(
+    connection: AbstractConnection,
+    name: str,
+    *,
+    passive: bool = False,
+    arguments: dict[str, Any] | None = None,
+) -> tuple[tuple[int, int] | None, Fault | None]:
+    """Declare ``name`` on a channel of its own: ((messages, consumers), None) or (None, refusal)."""
+    channel = await connection.channel(publisher_confirms=False)
+    try:
+        queue = await channel.declare_queue(
+            name, durable=True, passive=passive, arguments=arguments
+        )
+    except AMQP_ERRORS as exc:
+        fault = classify(exc)
+        if fault is None or not fault.refusal:
+            raise
+        return None, fault
+    finally:
+        await _close_quietly(channel)
+    result = queue.declaration_result
+    return (int(result.message_count or 0), int(result.consumer_count or 0)), None
+
+
+async def prepare_topology(
+    connection: AbstractConnection, topology: QueueTopology, *, declare: bool = True
+) -> QueueCheck:
+    """Make ``topology`` ready to consume, using a work queue that exists as it is.
+
+    With ``declare`` (the consumer's default) the DLQ and the retry queues are
+    declared, then the work queue. A work queue that already exists with other
+    arguments (declared by another application, without the dead-letter
+    arguments) is not an error: it is checked with a passive declare and used
+    as it is, and the result says what its own arguments do not give
+    ([`QueueCheck.warning`][reliable_mq.topology.QueueCheck.warning]). Retry
+    queues dead-letter back to it through the default exchange whatever its
+    arguments are.
+
+    Without ``declare`` nothing is created: every queue of the set must exist
+    (passive declares), or this raises. Without retry queues and a DLQ a failing
+    handler's message would have nowhere to go.
+
+    Every declaration runs on a channel of its own (a refusal closes it).
+
+    Raises:
+        ConsumerError: a queue is missing (``declare=False``), a retry queue or the
+            DLQ exists with other arguments, or the broker refused a declaration;
+            the message names the queue and what to do.
+    """
+    if not declare:
+        return await _check_existing(connection, topology)
+    side = [(topology.dead_letter_queue, topology.dead_letter_queue_arguments())] + [
+        (topology.retry_queue(d), topology.retry_queue_arguments(d))
+        for d in sorted(set(topology.retry_delays))
+    ]
+    for name, arguments in side:
+        _, fault = await _declare_one(connection, name, arguments=arguments)
+        if fault is not None:
+            raise ConsumerError(
+                f"cannot declare {name!r}, a queue of {topology.queue!r}'s set: "
+                f"{fault.describe()}. It exists with other arguments: declared with other "
+                "retry delays, queue type or DLQ name? Delete it (`reliable-mq topology "
+                f"{topology.queue} --delete`) or use the same settings"
+            )
+    counts, fault = await _declare_one(
+        connection, topology.queue, arguments=topology.work_queue_arguments()
+    )
+    if fault is None:
+        assert counts is not None
+        return QueueCheck(topology.queue, *counts)
+    if fault.reply_code != 406:
+        raise ConsumerError(f"cannot declare queue {topology.queue!r}: {fault.describe()}")
+    counts, passive_fault = await _declare_one(connection, topology.queue, passive=True)
+    if passive_fault is not None or counts is None:
+        reason = passive_fault.describe() if passive_fault else fault.describe()
+        raise ConsumerError(f"cannot use queue {topology.queue!r}: {reason}")
+    return QueueCheck(
+        topology.queue,
+        *counts,
+        adopted=True,
+        difference=fault.reply_text.removeprefix("PRECONDITION_FAILED - "),
+        missing=_missing_safety_net(fault, topology),
+    )
+
+
+async def _check_existing(connection: AbstractConnection, topology: QueueTopology) -> QueueCheck:
+    counts: tuple[int, int] | None = None
+    missing: list[str] = []
+    for name in topology.all_queues:
+        found, fault = await _declare_one(connection, name, passive=True)
+        if fault is not None and fault.kind is not FaultKind.NOT_FOUND:
+            raise ConsumerError(f"cannot check queue {name!r}: {fault.describe()}")
+        if found is None:
+            missing.append(name)
+        elif name == topology.queue:
+            counts = found
+    if topology.queue in missing:
+        raise ConsumerError(
+            f"queue {topology.queue!r} does not exist (declare=False): create it, or let the "
+            "consumer declare it (declare=True)"
+        )
+    if missing:
+        delays = ",".join(f"{d:g}" for d in topology.retry_delays)
+        raise ConsumerError(
+            f"declare=False, but {', '.join(missing)} do(es) not exist: a failing message "
+            f"of {topology.queue!r} would have nowhere to go. Declare them first with "
+            f"`reliable-mq topology {topology.queue} --retry-delays {delays}` (or "
+            "declare_topology()), or let the consumer declare them (declare=True)"
+        )
+    assert counts is not None
+    return QueueCheck(topology.queue, *counts)
+
+
+@contextlib.asynccontextmanager
+async def _connection(settings: str | ConnectionSettings) -> AsyncIterator[AbstractConnection]:
+    if isinstance(settings, str):
+        settings = ConnectionSettings(url=SecretStr(settings))
+    supervisor = ConnectionSupervisor(
+        settings, role="topology", metrics=Metrics.on(CollectorRegistry())
+    )
+    await supervisor.start()
+    try:
+        yield await supervisor.wait_connected()
+    finally:
+        await supervisor.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -443,3 +444,182 @@ class TestDlq:
         run = await cli("dlq", "list", f"missing-{uuid.uuid4().hex}", url=broker_url)
         assert run.code == 1
         assert "dead-letter queue" in run.stderr and "does not exist" in run.stderr
+
+
+def _env(url: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["RELIABLE_MQ_URL"] = url
+    return env
+
+
+async def _spawn(*args: str, url: str, **kwargs: object) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "reliable_mq.cli", *args, cwd=ROOT, env=_env(url), **kwargs
+    )  # type: ignore[arg-type]
+
+
+async def _hostile_dead_letter(url: str, topology: QueueTopology) -> None:
+    """A dead letter whose id, reason and body carry terminal escapes and newlines."""
+    async with ReliablePublisher(url, registry=CollectorRegistry()) as publisher:
+        await publisher.publish(
+            b"body\x1b[2J\nline2",
+            routing_key=topology.dead_letter_queue,
+            message_id="evil\x1b]0;pwned\x07id",
+            headers={
+                "x-reliable-mq-reason": "rejected\x1b[31m",
+                "x-reliable-mq-error-type": "Reject",
+                "x-reliable-mq-error-message": "bad\nnews\u202e",
+            },
+        )
+
+
+class TestEdges:
+    """The first-hour edges of issue 11 and the escaping of issue 10 item 6."""
+
+    async def test_broken_pipe_ends_quietly(self, broker_url: str, topology: QueueTopology) -> None:
+        """`dlq list Q | head` where head is gone: exit 141, no traceback, the DLQ untouched."""
+        await _publish(broker_url, topology.dead_letter_queue, [b"x"] * 50)
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first write: EPIPE for sure
+        process = await _spawn(
+            "dlq", "list", topology.queue, url=broker_url, stdout=write_end,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        os.close(write_end)
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode == 141, err
+        assert b"Traceback" not in err and b"BrokenPipe" not in err
+        assert await _queue_depth(broker_url, topology.dead_letter_queue) == 50
+
+    async def test_dlq_of_a_dlq_gets_a_hint(self, broker_url: str, topology: QueueTopology) -> None:
+        run = await cli("dlq", "list", topology.dead_letter_queue, url=broker_url)
+        assert run.code == 1
+        assert f"try `reliable-mq dlq list {topology.queue}`" in run.stderr
+
+    async def test_missing_queue_summary_counts_the_rest_and_hints(self, broker_url: str) -> None:
+        """15 unroutable lines: 10 shown, '5 more', and the topology command as the fix."""
+        name = f"nobody-{uuid.uuid4().hex[:8]}"
+        run = await cli("publish", "-k", name, stdin=b"x\n" * 15, url=broker_url)
+        assert run.code == 1
+        assert run.stderr.count("PublishUnroutable") == 10
+        assert "and 5 more failure(s) not shown" in run.stderr
+        assert f"`reliable-mq topology {name}`" in run.stderr
+        assert "PublishUnroutable  15" in run.stdout
+
+    async def test_sigint_publish_exits_130_with_a_partial_summary(
+        self, broker_url: str, queue: str
+    ) -> None:
+        """Input still open, 100 lines confirmed: Ctrl-C prints the summary and exits 130."""
+        process = await _spawn(
+            "publish", "-k", queue, url=broker_url, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert process.stdin is not None
+        process.stdin.write(b"".join(b"line %d\n" % n for n in range(100)))
+        await process.stdin.drain()
+        async with asyncio.timeout(60):
+            while await _queue_depth(broker_url, queue) < 100:
+                await asyncio.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode == 130, err
+        summary = out.decode().replace(",", "")
+        assert "read         100" in summary and "confirmed    100" in summary
+        assert "interrupted" in summary
+        assert b"Traceback" not in err
+
+    async def test_sigint_consume_exits_130_with_a_partial_summary(
+        self, broker_url: str, queue: str
+    ) -> None:
+        """consume without --count or --idle-timeout: Ctrl-C after 20 messages, exit 130."""
+        await _publish(broker_url, queue, [b"m%d" % n for n in range(20)])
+        process = await _spawn(
+            "consume", queue, url=broker_url, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert process.stdout is not None
+        lines = [await asyncio.wait_for(process.stdout.readline(), 60) for _ in range(20)]
+        assert lines[-1] == b"m19\n"
+        await asyncio.sleep(0.2)  # the acks of the written batch go out
+        process.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode == 130, err
+        assert b"20 message(s)" in err and b"interrupted" in err
+        assert await _queue_depth(broker_url, queue) == 0
+
+    async def test_log_json_is_pure_json_lines(self, broker_url: str, queue: str) -> None:
+        """Every stderr line is JSON, aio-pika's and aiormq's own records and the report too."""
+        await _publish(broker_url, queue, [b"one"])
+        run = await cli(
+            "consume", queue, "--count", "1", "--log-json", "--log-level", "DEBUG", url=broker_url
+        )
+        assert run.code == 0, run.stderr
+        records = [json.loads(line) for line in run.stderr.splitlines()]
+        loggers = {record.get("logger", "") for record in records}
+        assert any(name.startswith(("aiormq", "aio_pika")) for name in loggers), loggers
+        assert any(record["event"] == "cli_report" for record in records)
+        assert run.stdout == "one\n"
+
+    async def test_message_data_is_escaped(self, broker_url: str, topology: QueueTopology) -> None:
+        """Ids, reasons, errors and bodies never reach the terminal with raw control characters."""
+        await _hostile_dead_letter(broker_url, topology)
+        outputs = [
+            await cli("dlq", "list", topology.queue, url=broker_url),
+            await cli("dlq", "list", topology.queue, "--json", url=broker_url),
+            await cli("dlq", "show", topology.queue, "--message-id", "evil\x1b]0;pwned\x07id",
+                      url=broker_url),
+            await cli("consume", topology.dead_letter_queue, "--count", "1", "--ack-mode",
+                      "requeue", url=broker_url),
+            await cli("consume", topology.dead_letter_queue, "--count", "1", "--ack-mode",
+                      "requeue", "--json", url=broker_url),
+        ]  # fmt: skip
+        for run in outputs:
+            assert run.code == 0, run.stderr
+            text = run.stdout + run.stderr
+            assert not any(ch in text for ch in "\x1b\x07\u202e"), repr(text)
+        listing = outputs[0].stdout
+        assert "evil\\x1b]0;pwned\\x07id" in listing and "rejected\\x1b[31m" in listing
+        assert outputs[3].stdout == "body\\x1b[2J\\nline2\n"
+        assert json.loads(outputs[4].stdout)["body"] == "body\x1b[2J\nline2"  # exact, escaped
+
+    async def test_topology_on_an_existing_plain_queue(self, broker_url: str, queue: str) -> None:
+        """A durable queue made elsewhere: side queues declared, the queue kept, a correct note."""
+        topology = QueueTopology(queue, retry_delays=(1.0,))
+        try:
+            run = await cli("topology", queue, "--retry-delays", "1", url=broker_url)
+            assert run.code == 0, run.stderr
+            assert "used as it is" in run.stdout
+            assert "no dead-letter exchange" in run.stderr
+            assert "rabbitmqctl set_policy" in run.stderr
+            assert await _queue_depth(broker_url, topology.dead_letter_queue) == 0
+        finally:
+            connection = await aio_pika.connect(broker_url)
+            async with connection:
+                channel = await connection.channel()
+                for name in topology.side_queues:
+                    await channel.queue_delete(name)
+
+
+class TestEventLoop:
+    def test_uvloop_is_used_when_installed(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The CLI picks uvloop's loop if it is importable, and asyncio's on request."""
+        import uvloop
+
+        from reliable_mq.cli import loop_factory
+
+        assert loop_factory() is uvloop.new_event_loop
+        monkeypatch.setenv("RELIABLE_MQ_NO_UVLOOP", "1")
+        assert loop_factory() is None
+
+    async def test_a_command_runs_on_uvloop(self, broker_url: str, queue: str) -> None:
+        """A real publish through the CLI runs on uvloop and confirms every line."""
+        run = await cli(
+            "publish", "-k", queue, "--log-json", "--log-level", "DEBUG",
+            stdin=b"a\nb\n", url=broker_url,
+        )  # fmt: skip
+        assert run.code == 0, run.stderr
+        events = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
+        assert {"event": "event_loop", "loop": "uvloop"}.items() <= next(
+            e for e in events if e.get("event") == "event_loop"
+        ).items()
+        assert len(await drain_queue(broker_url, queue)) == 2

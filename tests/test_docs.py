@@ -59,13 +59,15 @@ class TestGeneratedTables:
         """Each Metrics field has a row in the metrics page."""
         text = _load_hook().metrics_table()  # type: ignore[attr-defined]
         for field in Metrics.on(CollectorRegistry()).__dataclass_fields__:
-            assert f"| `{field}` |" in text, field
+            assert f"| <code>{field.replace('_', '_<wbr>')}</code> |" in text, field
 
     def test_markers_are_replaced(self) -> None:
         """The mkdocs hook replaces markers and refuses unknown ones."""
         hook = _load_hook()
         out = hook.on_page_markdown("a\n<!-- reliable_mq:metrics -->\nb")  # type: ignore[attr-defined]
-        assert "reliable_mq_confirm_latency_seconds" in out and "<!--" not in out
+        assert (
+            "reliable_<wbr>mq_<wbr>confirm_<wbr>latency_<wbr>seconds" in out and "<!--" not in out
+        )
         with pytest.raises(ValueError, match="unknown docs marker"):
             hook.on_page_markdown("<!-- reliable_mq:nope -->")  # type: ignore[attr-defined]
 
@@ -89,12 +91,38 @@ class TestDashboard:
         assert len(ids) == len(set(ids))
 
 
+_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|attr|data|mod|exc|obj|const|ref|doc):`")
+_LITERAL_BLOCK = re.compile(r"[^:\s]::\s*$")  # reST "text::" before an indented block
+
+
+def test_no_rest_roles_in_the_package() -> None:
+    """Docstrings cross-reference in Markdown (`[Name][reliable_mq.x.Name]`) or backticks.
+
+    mkdocstrings reads Google-style Markdown docstrings: a reST role such as
+    ``:class:`X` `` or a ``text::`` literal-block marker would show up raw on
+    the API pages (use a fenced code block instead).
+    """
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sorted((ROOT / "reliable_mq").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _ROLE.search(line) or _LITERAL_BLOCK.search(line)
+    ]
+    assert not found, "reST roles or literal blocks in docstrings:\n" + "\n".join(found)
+
+
 def test_site_builds_strict(tmp_path: Path) -> None:
-    """``mkdocs build --strict`` passes (skipped without the docs extra)."""
+    """``mkdocs build --strict`` passes, and the built site is clean.
+
+    No raw reST role on any page, no Python script copied into the site, the
+    internals on "How it works" (not in the API pages), and metric names that
+    can wrap only after an underscore.
+    """
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
+    site = tmp_path / "site"
     run = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -103,6 +131,16 @@ def test_site_builds_strict(tmp_path: Path) -> None:
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert run.returncode == 0, run.stderr[-5000:]
+    assert not list(site.rglob("*.py")), "scripts copied into the site"
+    pages = {path: path.read_text() for path in site.rglob("*.html")}
+    raw = [str(path) for path, html in pages.items() if _ROLE.search(html)]
+    assert not raw, f"raw reST roles on {raw}"
+    consumer_api = (site / "reference" / "consumer" / "index.html").read_text()
+    assert "ReliableConsumer" in consumer_api
+    assert "AckTracker" not in consumer_api  # internals live on the How it works page
+    assert "_acks.py" in (site / "how-it-works" / "index.html").read_text()
+    metrics_page = (site / "guides" / "metrics" / "index.html").read_text()
+    assert "reliable_<wbr>mq_<wbr>confirmed_<wbr>messages_<wbr>total" in metrics_page
 
 
 def _load_renderer() -> Any:

@@ -10,7 +10,13 @@ import aio_pika
 import pytest
 from prometheus_client import CollectorRegistry
 
-from reliable_mq import ConnectionSettings, PublisherSettings, PublishUnroutable, ReliablePublisher
+from reliable_mq import (
+    ConnectionSettings,
+    PendingPublish,
+    PublisherSettings,
+    PublishUnroutable,
+    ReliablePublisher,
+)
 from tests.conftest import wait_until
 from tests.support.amqp import drain_queue
 
@@ -35,26 +41,45 @@ async def declare(url: str, name: str, **arguments: Any) -> None:
 
 
 async def test_close_all_connections_mid_stream(private_broker: Any) -> None:
-    """rabbitmqctl close_all_connections twice: every publish confirms, every id arrives."""
+    """rabbitmqctl close_all_connections twice: every publish confirms, every id arrives.
+
+    Deterministic under load: a producer keeps the window busy until both closes
+    have been seen (the channel generation went up each time), so no close can
+    land after the stream has already finished.
+    """
     url = private_broker.url
     name = f"faults-{uuid.uuid4().hex[:8]}"
     await declare(url, name)
+    done = asyncio.Event()
+    pending: list[PendingPublish] = []
     async with ReliablePublisher(
         settings_for(url),
         settings=PublisherSettings(max_in_flight=1000),
         registry=CollectorRegistry(),
     ) as publisher:
-        tasks = [
-            asyncio.ensure_future(publisher.publish(b"x", routing_key=name, message_id=f"a{i}"))
-            for i in range(8000)
-        ]
-        for threshold in (1500, 4500):
-            await wait_until(lambda t=threshold: publisher.stats().confirmed >= t, timeout=60)
+
+        async def produce() -> None:
+            while not done.is_set():
+                n = len(pending)
+                pending.append(await publisher.enqueue(b"x", routing_key=name, message_id=f"a{n}"))
+                if n % 100 == 0:
+                    await asyncio.sleep(0)
+
+        producer = asyncio.create_task(produce())
+        for closes in (1, 2):
+            generation = publisher.stats().channel_generation
+            await wait_until(lambda c=closes: publisher.stats().confirmed >= 1500 * c, timeout=60)
             await asyncio.to_thread(private_broker.close_all_connections, "test")
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            await wait_until(
+                lambda g=generation: publisher.stats().channel_generation > g, timeout=60
+            )
+        done.set()
+        await asyncio.wait_for(producer, 60)
+        results = await asyncio.wait_for(asyncio.gather(*pending), 120)
         assert publisher.stats().channel_generation >= 3
     ids = {m.message_id for m in await drain_queue(url, name)}
-    assert {r.message_id for r in results} == ids == {f"a{i}" for i in range(8000)}
+    expected = {f"a{i}" for i in range(len(pending))}
+    assert {r.message_id for r in results} == ids == expected
 
 
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])

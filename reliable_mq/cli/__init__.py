@@ -1,31 +1,34 @@
 """The ``reliable-mq`` command line: publish with confirms, consume, inspect and repair.
 
 Every subcommand is one ``add_*_arguments(parser)`` function and one
-``async def run_*(args) -> int`` function, listed in :data:`COMMANDS`; adding a
+``async def run_*(args) -> int`` function, listed in `COMMANDS`; adding a
 subcommand means writing those two (in a module of this package) and one line
 in the tuple.
 
-Exit codes: 0 success; 1 the command could not do all of its job (messages
-not confirmed or not moved, a missing queue, a message not found, a refused
-declaration); 2 bad arguments, invalid settings or an unreachable broker (one
-line on stderr, passwords redacted); 130 interrupted.
+Exit codes (the table in ``docs/guides/cli.md``): 0 success; 1 the command
+could not do all of its job (messages not confirmed or not moved, a missing
+queue, a message not found, a refused declaration); 2 bad arguments, invalid
+settings or an unreachable broker (one line on stderr, passwords redacted);
+130 SIGINT and 143 SIGTERM (after a partial summary); 141 the output was closed
+early (a broken pipe, as with ``| head``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import contextlib
+import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-import aiormq
-
 from .. import __version__
+from .._amqp_faults import AMQP_ERRORS, classify
 from ..errors import BrokerUnavailable, InvalidSettings
-from ..log import configure_logging
+from ..log import get_logger
 from ._common import (
+    EXIT_BROKEN_PIPE,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
@@ -33,10 +36,13 @@ from ._common import (
     Command,
     CommandFailed,
     add_common_arguments,
+    configure_cli_logging,
     redact,
+    say,
 )
 from ._consume import add_consume_arguments, run_consume
 from ._dlq import add_dlq_arguments, run_dlq
+from ._outbox import add_outbox_arguments, run_outbox
 from ._publish import add_bench_arguments, add_publish_arguments, run_bench, run_publish
 from ._topology import add_topology_arguments, run_topology
 
@@ -69,17 +75,25 @@ COMMANDS: tuple[Command, ...] = (
         common=False,
     ),
     Command("bench", "measure confirmed publish throughput", add_bench_arguments, run_bench),
+    Command(
+        "outbox",
+        "transactional outbox: create the table, run the relay, inspect and requeue dead rows",
+        add_outbox_arguments,
+        run_outbox,
+        common=False,
+    ),
 )
 """Every subcommand, in ``--help`` order."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``reliable-mq`` parser with one sub-parser per :data:`COMMANDS` entry."""
+    """The ``reliable-mq`` parser with one sub-parser per `COMMANDS` entry."""
     parser = argparse.ArgumentParser(
         prog="reliable-mq",
         description="Loss-proof RabbitMQ tools: every message confirmed by the broker.",
         epilog="exit codes: 0 ok; 1 not all done (messages not confirmed or moved, a missing "
-        "queue or message); 2 bad arguments or broker unreachable; 130 interrupted",
+        "queue or message); 2 bad arguments or broker unreachable; 130 SIGINT, 143 SIGTERM "
+        "(after a partial summary); 141 output closed early (broken pipe)",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -94,36 +108,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(args: argparse.Namespace) -> None:
-    configure_logging(json=args.log_json, level=args.log_level)
-    if args.log_level != "DEBUG":
-        # aiormq and aio-pika log each failed connect with a traceback; our own
-        # one-line error (or connection_lost event) says it without the noise.
-        logging.getLogger("aiormq").setLevel(logging.CRITICAL)
-        logging.getLogger("aio_pika").setLevel(logging.CRITICAL)
+def _quiet_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the exit flush cannot fail."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (the ``fast`` extra), else asyncio's.
+
+    ``RELIABLE_MQ_NO_UVLOOP=1`` keeps asyncio's loop.
+    """
+    if os.environ.get("RELIABLE_MQ_NO_UVLOOP"):
+        return None
+    try:
+        import uvloop  # noqa: PLC0415 - optional, and only the CLI picks a loop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (see the module docstring)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _configure_logging(args)
+    configure_cli_logging(
+        json_lines=getattr(args, "log_json", False), level=getattr(args, "log_level", "ERROR")
+    )
     url = getattr(args, "url", None)
     try:
         run: Callable[[argparse.Namespace], Coroutine[Any, Any, int]] = args.run
-        return asyncio.run(run(args))
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            loop = runner.get_loop()
+            get_logger(__name__).debug("event_loop", loop=type(loop).__module__.split(".")[0])
+            return runner.run(run(args))
+    except BrokenPipeError:
+        _quiet_stdout()  # the reader went away (`| head`): nothing to report
+        return EXIT_BROKEN_PIPE
     except BrokerUnavailable as exc:
-        print(f"reliable-mq: error: cannot reach the broker: {redact(str(exc), url)}",
-              file=sys.stderr)  # fmt: skip
+        say(f"reliable-mq: error: cannot reach the broker: {redact(str(exc), url)}")
     except CommandFailed as exc:
-        print(f"reliable-mq: error: {redact(str(exc), url)}", file=sys.stderr)
+        say(f"reliable-mq: error: {redact(str(exc), url)}")
         return EXIT_FAILED
-    except aiormq.exceptions.AMQPError as exc:
-        print(f"reliable-mq: error: the broker refused: {redact(str(exc), url)}", file=sys.stderr)
+    except AMQP_ERRORS as exc:
+        fault = classify(exc)
+        what = "the broker refused" if fault is not None and fault.refusal else "broker error"
+        detail = fault.describe() if fault is not None else str(exc)
+        say(f"reliable-mq: error: {what}: {redact(detail, url)}")
         return EXIT_FAILED
     except (InvalidSettings, CLIError) as exc:
-        print(f"reliable-mq: error: {redact(str(exc), url)}", file=sys.stderr)
+        say(f"reliable-mq: error: {redact(str(exc), url)}")
     except KeyboardInterrupt:
-        print("reliable-mq: interrupted", file=sys.stderr)
+        say("reliable-mq: interrupted")
         return EXIT_INTERRUPTED
     return EXIT_USAGE

@@ -3,32 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import contextlib
+import json
+import logging
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import IO, Any, NamedTuple
 
-import aio_pika
+import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from .._amqp_faults import AMQP_ERRORS, FaultKind, classify
 from ..connection import ConnectionSupervisor
 from ..metrics import Metrics
 from ..settings import ConnectionSettings, PublisherSettings, redact_credentials
 
 __all__ = (
     "DEFAULT_URL",
+    "EXIT_BROKEN_PIPE",
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_TERMINATED",
     "EXIT_USAGE",
+    "StopSignals",
     "MAX_REPORTED_ERRORS",
     "CLIError",
     "Command",
@@ -36,6 +44,7 @@ __all__ = (
     "Progress",
     "add_common_arguments",
     "add_publisher_arguments",
+    "configure_cli_logging",
     "connection_settings",
     "header_arg",
     "jsonable",
@@ -43,19 +52,30 @@ __all__ = (
     "open_connection",
     "open_queue",
     "positive_float",
+    "printable",
     "positive_int",
     "prefetch_count",
     "print_table",
     "progress_for",
     "publisher_settings",
+    "queue_count",
     "redact",
+    "say",
 )
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 EXIT_OK = 0
+"""Done: every message confirmed, consumed, declared or moved."""
 EXIT_FAILED = 1
+"""Not all done: a message not confirmed or not moved, a missing queue or message."""
 EXIT_USAGE = 2
+"""Bad arguments, invalid settings, unreadable input, or an unreachable broker."""
 EXIT_INTERRUPTED = 130
+"""Stopped by SIGINT (Ctrl-C), after a partial summary."""
+EXIT_BROKEN_PIPE = 141
+"""The output was closed early (``| head``): stopped quietly, unwritten messages stay queued."""
+EXIT_TERMINATED = 143
+"""Stopped by SIGTERM, after a partial summary."""
 MAX_REPORTED_ERRORS = 10
 
 
@@ -63,7 +83,7 @@ class Command(NamedTuple):
     """One subcommand: its name, a one-line help, and its two functions.
 
     ``common=False`` when ``add_arguments`` builds nested subcommands and adds
-    the common options (:func:`add_common_arguments`) to each of them itself.
+    the common options (`add_common_arguments()`) to each of them itself.
     """
 
     name: str
@@ -83,6 +103,135 @@ class CommandFailed(Exception):
 
 
 # -- shared helpers -------------------------------------------------------------
+
+
+_JSON_REPORTS = False
+
+
+def configure_cli_logging(*, json_lines: bool, level: str) -> None:
+    """One stderr handler for everything: reliable_mq's structlog events, the stdlib
+    records of aio-pika and aiormq, and the command's own report lines (`say()`).
+
+    With ``json_lines`` each is one JSON object per line; otherwise readable lines.
+    Below DEBUG, aio-pika's and aiormq's own records are muted: each failed connect
+    would print a traceback, and the command reports failures itself.
+    """
+    global _JSON_REPORTS  # noqa: PLW0603 (the CLI process's one output mode)
+    _JSON_REPORTS = json_lines
+    numeric = logging.getLevelName(level)
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if json_lines
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(numeric)
+    if level != "DEBUG":
+        logging.getLogger("aiormq").setLevel(logging.CRITICAL)
+        logging.getLogger("aio_pika").setLevel(logging.CRITICAL)
+
+
+def say(text: str) -> None:
+    """Write one report line to stderr (a JSON object under ``--log-json``).
+
+    The text is made printable first: report lines quote broker replies and
+    message ids, which may carry control characters.
+    """
+    line = printable(text)
+    if _JSON_REPORTS:
+        level = "error" if ": error:" in line else "info"
+        record = {
+            "event": "cli_report",
+            "message": line,
+            "level": level,
+            "logger": "reliable_mq.cli",
+            "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+        }
+        line = json.dumps(record, ensure_ascii=True)
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def printable(value: object) -> str:
+    """``value`` as one line that is safe on a terminal: control characters escaped.
+
+    The same escaping as the log lines (structlog renders values with ``repr()``):
+    ``\\n``, ``\\x1b``, ``\\u202e``... without the quotes. Text without control
+    characters is returned unchanged; bytes are decoded as UTF-8, invalid bytes
+    shown as ``\\xNN``.
+    """
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        text = bytes(value).decode("utf-8", "backslashreplace")
+    else:
+        text = str(value)
+    if text.isprintable():
+        return text
+    return repr(text)[1:-1]
+
+
+class StopSignals:
+    """SIGINT and SIGTERM set `event` once; a second signal interrupts at once.
+
+    Use as a context manager around the part of a command that can stop early;
+    `exit_code` is then 130 (SIGINT) or 143 (SIGTERM), else None.
+    """
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.received: signal.Signals | None = None
+        self._installed: list[signal.Signals] = []
+
+    @property
+    def exit_code(self) -> int | None:
+        if self.received is None:
+            return None
+        return EXIT_TERMINATED if self.received is signal.SIGTERM else EXIT_INTERRUPTED
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.received = sig
+        self.event.set()
+        self._restore()  # a second Ctrl-C raises KeyboardInterrupt: stop without waiting
+
+    def _restore(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self._installed:
+            loop.remove_signal_handler(sig)
+        self._installed.clear()
+
+    def __enter__(self) -> StopSignals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                self._installed.append(sig)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._restore()
 
 
 def redact(text: str, url: str | None = None) -> str:
@@ -229,6 +378,8 @@ class Progress:
 
 def progress_for(args: argparse.Namespace, *, total: int | None, label: str) -> Progress:
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
+    if getattr(args, "log_json", False):
+        enabled = False  # stderr is JSON lines then: no bar drawn between them
     return Progress(sys.stderr, total=total, enabled=enabled, label=label)
 
 
@@ -266,20 +417,39 @@ async def open_connection(args: argparse.Namespace) -> AsyncIterator[AbstractCon
 
 
 async def open_queue(
-    connection: AbstractConnection, name: str, *, what: str = "queue"
+    connection: AbstractConnection, name: str, *, what: str = "queue", hint: str = ""
 ) -> tuple[AbstractChannel, AbstractQueue, int]:
     """A new channel and a passive declaration of ``name``: (channel, queue, message count).
 
     Raises:
-        CommandFailed: the queue does not exist.
+        CommandFailed: the queue does not exist (``hint`` is appended to the message).
     """
     channel = await connection.channel(publisher_confirms=False)
     try:
         queue = await channel.declare_queue(name, passive=True)
-    except aio_pika.exceptions.ChannelNotFoundEntity:
-        raise CommandFailed(f"{what} {name!r} does not exist") from None
+    except AMQP_ERRORS as exc:
+        fault = classify(exc)
+        if fault is None or fault.kind is not FaultKind.NOT_FOUND:
+            raise
+        raise CommandFailed(f"{what} {name!r} does not exist{hint}") from None
     result = queue.declaration_result
     return channel, queue, int(result.message_count or 0)
+
+
+async def queue_count(connection: AbstractConnection, name: str) -> int | None:
+    """Messages ready in queue ``name`` (a passive declare), or None if it does not exist."""
+    channel = await connection.channel(publisher_confirms=False)
+    try:
+        queue = await channel.declare_queue(name, passive=True)
+    except AMQP_ERRORS as exc:
+        fault = classify(exc)
+        if fault is None or fault.kind is not FaultKind.NOT_FOUND:
+            raise
+        return None
+    count = int(queue.declaration_result.message_count or 0)
+    with contextlib.suppress(*AMQP_ERRORS):
+        await channel.close()
+    return count
 
 
 # -- messages as JSON ---------------------------------------------------------------

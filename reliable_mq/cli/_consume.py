@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import stat
 import sys
 from typing import IO, Any
@@ -23,16 +22,20 @@ from typing import IO, Any
 from aio_pika.abc import AbstractIncomingMessage
 
 from ._common import (
+    EXIT_BROKEN_PIPE,
     EXIT_FAILED,
     EXIT_OK,
     CLIError,
     CommandFailed,
+    StopSignals,
     message_record,
     open_connection,
     open_queue,
     positive_float,
     positive_int,
     prefetch_count,
+    printable,
+    say,
 )
 
 __all__ = ("add_consume_arguments", "run_consume")
@@ -92,9 +95,14 @@ def _open_output(path: str | None) -> IO[bytes]:
 
 
 def _render(message: AbstractIncomingMessage, as_json: bool) -> bytes:
+    """One line per message; control characters never reach the output raw.
+
+    Text: the body with control characters (newlines too) escaped. JSON: ASCII
+    only, everything else as ``\\u`` escapes.
+    """
     if as_json:
-        return json.dumps(message_record(message), ensure_ascii=False).encode() + b"\n"
-    return message.body + b"\n"
+        return json.dumps(message_record(message), ensure_ascii=True).encode() + b"\n"
+    return printable(message.body).encode() + b"\n"
 
 
 def _durable_flush(output: IO[bytes]) -> None:
@@ -151,13 +159,8 @@ async def run_consume(args: argparse.Namespace) -> int:
     held: list[AbstractIncomingMessage] = []
     failure: str | None = None
     broken_pipe = False
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
+    signals = StopSignals().__enter__()
+    stop = signals.event
     try:
         async with open_connection(args) as connection:
             channel, queue, _ = await open_queue(connection, args.queue)
@@ -227,23 +230,18 @@ async def run_consume(args: argparse.Namespace) -> int:
                     raise
                 failure = f"the channel to the broker closed: {exc}"
     finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
+        signals.__exit__()
         if output is not sys.stdout.buffer:
             output.close()
     verb = {"ack": "acked", "requeue": "requeued (still in the queue)", "reject": "rejected"}
-    print(
+    say(
         f"reliable-mq: {written:,} message(s) from {args.queue!r} written and "
-        f"{verb[args.ack_mode]}",
-        file=sys.stderr,
+        f"{verb[args.ack_mode]}" + ("; interrupted" if signals.received else "")
     )
     if broken_pipe:
-        print("reliable-mq: output closed; unwritten messages stay in the queue", file=sys.stderr)
-        return EXIT_FAILED
+        say("reliable-mq: output closed; unwritten messages stay in the queue")
+        return EXIT_BROKEN_PIPE
     if failure is not None:
-        print(
-            f"reliable-mq: error: {failure}; unsettled messages return to the queue",
-            file=sys.stderr,
-        )
+        say(f"reliable-mq: error: {failure}; unsettled messages return to the queue")
         return EXIT_FAILED
-    return EXIT_OK
+    return signals.exit_code if signals.exit_code is not None else EXIT_OK

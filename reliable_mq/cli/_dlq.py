@@ -8,7 +8,7 @@ messages that were in the DLQ when the command started are scanned, so a
 message that fails again at once cannot make ``move --all`` loop.
 
 ``move`` republishes each selected message to its original queue through a
-:class:`~reliable_mq.publisher.ReliablePublisher` (confirms, mandatory, same
+[`ReliablePublisher`][reliable_mq.publisher.ReliablePublisher] (confirms, mandatory, same
 ``message_id``, attempt count and dead-letter headers removed) and acks it in
 the DLQ only once the broker has confirmed the copy: a crash in between leaves
 a duplicate (same ``message_id``), never a loss.
@@ -19,13 +19,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, NamedTuple
 
-import aio_pika
-from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractIncomingMessage,
+    AbstractQueue,
+)
 from prometheus_client import CollectorRegistry
 
 from .._session import DEAD_LETTER_HEADERS, LAST_ERROR_HEADER
@@ -45,7 +48,10 @@ from ._common import (
     positive_float,
     positive_int,
     print_table,
+    printable,
+    queue_count,
     redact,
+    say,
 )
 
 __all__ = (
@@ -119,6 +125,26 @@ class DeadLetterInfo(NamedTuple):
 def _dlq_name(args: argparse.Namespace) -> str:
     name: str = args.dlq or f"{args.queue}.dlq"
     return name
+
+
+def _missing_hint(args: argparse.Namespace) -> str:
+    """What to try when the DLQ does not exist (``dlq list orders.dlq`` is a common slip)."""
+    queue: str = args.queue
+    if not args.dlq and queue.endswith(".dlq"):
+        work = queue.removesuffix(".dlq")
+        return (
+            f"; QUEUE is the work queue, not its DLQ: try `reliable-mq dlq "
+            f"{args.dlq_command} {work}` (or --dlq {queue})"
+        )
+    return f"; is {queue!r} the work queue? Its DLQ is QUEUE.dlq unless --dlq NAME"
+
+
+async def _open_dlq(
+    connection: AbstractConnection, args: argparse.Namespace
+) -> tuple[AbstractChannel, AbstractQueue, int]:
+    return await open_queue(
+        connection, _dlq_name(args), what="dead-letter queue", hint=_missing_hint(args)
+    )
 
 
 def add_dlq_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,7 +230,7 @@ class _Browser:
 async def _list(args: argparse.Namespace) -> int:
     name = _dlq_name(args)
     async with open_connection(args) as connection:
-        channel, queue, total = await open_queue(connection, name, what="dead-letter queue")
+        channel, queue, total = await _open_dlq(connection, args)
         browser = _Browser(queue, min(total, args.limit))
         records: list[tuple[AbstractIncomingMessage, DeadLetterInfo]] = []
         try:
@@ -217,24 +243,26 @@ async def _list(args: argparse.Namespace) -> int:
         for message, info in records:
             record = message_record(message)
             record["dead_letter"] = info._asdict()
-            print(json.dumps(record, ensure_ascii=False))
+            print(json.dumps(record, ensure_ascii=True))
         return EXIT_OK
     shown = f", showing the first {len(records):,}" if len(records) < total else ""
-    print(f"{name}: {total:,} message(s){shown}")
+    print(f"{printable(name)}: {total:,} message(s){shown}")
     if records:
         rows = [
             ("MESSAGE ID", "ATTEMPTS  REASON            DEAD-LETTERED AT                  ERROR")
         ]
         for message, info in records:
-            error = info.error if len(info.error) <= 60 else info.error[:57] + "..."
+            error = printable(info.error)
+            error = error if len(error) <= 60 else error[:57] + "..."
+            attempts, reason, at = (printable(v) for v in (info.attempts, info.reason, info.at))
             rows.append(
                 (
-                    message.message_id or "-",
-                    f"{info.attempts or '-':<8}  {info.reason:<16}  {info.at or '-':<32}  {error}",
+                    printable(message.message_id or "-"),
+                    f"{attempts or '-':<8}  {reason:<16}  {at or '-':<32}  {error}",
                 )
             )
         print_table(rows)
-        reasons = Counter(info.reason for _, info in records)
+        reasons = Counter(printable(info.reason) for _, info in records)
         print("by reason: " + ", ".join(f"{r} {n:,}" for r, n in reasons.most_common()))
     return EXIT_OK
 
@@ -243,7 +271,7 @@ async def _show(args: argparse.Namespace) -> int:
     name = _dlq_name(args)
     found = 0
     async with open_connection(args) as connection:
-        channel, queue, total = await open_queue(connection, name, what="dead-letter queue")
+        channel, queue, total = await _open_dlq(connection, args)
         browser = _Browser(queue, total)
         try:
             async for message in browser.messages():
@@ -252,15 +280,14 @@ async def _show(args: argparse.Namespace) -> int:
                 found += 1
                 record = message_record(message)
                 record["dead_letter"] = DeadLetterInfo.of(message.headers or {})._asdict()
-                print(json.dumps(record, ensure_ascii=False, indent=2))
+                print(json.dumps(record, ensure_ascii=True, indent=2))
         finally:
             await browser.release()
             await channel.close()
     if not found:
-        print(
-            f"reliable-mq: error: no message with message_id {args.message_id!r} in {name!r} "
-            f"({total:,} message(s) scanned)",
-            file=sys.stderr,
+        say(
+            f"reliable-mq: error: no message with message_id {printable(args.message_id)!r} "
+            f"in {printable(name)!r} ({total:,} message(s) scanned)"
         )
         return EXIT_FAILED
     return EXIT_OK
@@ -282,13 +309,7 @@ def _target(args: argparse.Namespace, headers: Mapping[str, Any]) -> str:
 
 
 async def _queue_exists(connection: AbstractConnection, name: str) -> bool:
-    channel = await connection.channel(publisher_confirms=False)
-    try:
-        await channel.declare_queue(name, passive=True)
-    except aio_pika.exceptions.ChannelNotFoundEntity:
-        return False
-    await channel.close()
-    return True
+    return await queue_count(connection, name) is not None
 
 
 async def _move(args: argparse.Namespace) -> int:
@@ -297,7 +318,7 @@ async def _move(args: argparse.Namespace) -> int:
     exists: dict[str, bool] = {}
     settings = PublisherSettings(publish_timeout=args.timeout)
     async with open_connection(args) as connection:
-        channel, queue, total = await open_queue(connection, name, what="dead-letter queue")
+        channel, queue, total = await _open_dlq(connection, args)
         browser = _Browser(queue, total)
         async with ReliablePublisher(
             connection_settings(args), settings=settings, registry=CollectorRegistry()
@@ -310,15 +331,15 @@ async def _move(args: argparse.Namespace) -> int:
                     await outcome
                 except PublishError as exc:
                     failed += 1
-                    print(
-                        f"reliable-mq: {message.message_id}: not moved to {target!r}: "
-                        f"{type(exc).__name__}: {redact(str(exc), args.url)}",
-                        file=sys.stderr,
+                    say(
+                        f"reliable-mq: {printable(message.message_id)}: not moved to "
+                        f"{printable(target)!r}: {type(exc).__name__}: "
+                        f"{printable(redact(str(exc), args.url))}"
                     )
                     return  # stays held; released (requeued in the DLQ) at the end
                 await message.ack()  # only now: the copy is confirmed
                 moved += 1
-                print(f"moved {message.message_id or '-'} to {target}")
+                print(f"moved {printable(message.message_id or '-')} to {printable(target)}")
 
             try:
                 async for message in browser.messages():
@@ -330,10 +351,9 @@ async def _move(args: argparse.Namespace) -> int:
                         exists[target] = await _queue_exists(connection, target)
                     if not exists[target]:
                         skipped += 1
-                        print(
-                            f"reliable-mq: {message.message_id}: queue {target!r} does not "
-                            "exist; left in the DLQ",
-                            file=sys.stderr,
+                        say(
+                            f"reliable-mq: {printable(message.message_id)}: queue "
+                            f"{printable(target)!r} does not exist; left in the DLQ"
                         )
                         continue
                     try:
@@ -350,8 +370,10 @@ async def _move(args: argparse.Namespace) -> int:
                         )
                     except PublishError as exc:
                         failed += 1
-                        print(f"reliable-mq: {message.message_id}: not moved: {exc}",
-                              file=sys.stderr)  # fmt: skip
+                        say(
+                            f"reliable-mq: {printable(message.message_id)}: not moved: "
+                            f"{printable(exc)}"
+                        )
                         continue
                     finishing.append(asyncio.create_task(finish(message, target, outcome)))
                 await asyncio.gather(*finishing)
@@ -371,9 +393,9 @@ async def _move(args: argparse.Namespace) -> int:
         ]
     )
     if not args.all and selected == 0:
-        print(
-            f"reliable-mq: error: no message with message_id {args.message_id!r} in {name!r}",
-            file=sys.stderr,
+        say(
+            f"reliable-mq: error: no message with message_id {printable(args.message_id)!r} "
+            f"in {printable(name)!r}"
         )
         return EXIT_FAILED
     return EXIT_FAILED if failed or skipped else EXIT_OK

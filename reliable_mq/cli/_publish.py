@@ -1,10 +1,11 @@
-"""``publish`` and ``bench``: stream messages through a :class:`ReliablePublisher`."""
+"""``publish`` and ``bench``: stream messages through a `ReliablePublisher`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import queue
 import secrets
 import statistics
@@ -12,14 +13,14 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple
 
 import aio_pika
 from prometheus_client import CollectorRegistry
 
-from ..errors import InvalidMessage, PublishError
+from ..errors import InvalidMessage, PublishError, PublishUnroutable
 from ..outcomes import PendingPublish, PublishResult
 from ..publisher import ReliablePublisher
 from ._common import (
@@ -28,14 +29,17 @@ from ._common import (
     MAX_REPORTED_ERRORS,
     CLIError,
     Progress,
+    StopSignals,
     add_publisher_arguments,
     connection_settings,
     header_arg,
     positive_int,
     print_table,
+    printable,
     progress_for,
     publisher_settings,
     redact,
+    say,
 )
 
 __all__ = ("add_bench_arguments", "add_publish_arguments", "run_bench", "run_publish")
@@ -51,14 +55,39 @@ class _Tally:
     errors: Counter[str] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
     reported: int = 0
+    interrupted: bool = False
+    unroutable: set[tuple[str, str]] = field(default_factory=set)
 
     def fail(self, where: str, exc: BaseException, url: str) -> None:
         self.failed += 1
         self.errors[type(exc).__name__] += 1
+        if isinstance(exc, PublishUnroutable) and len(self.unroutable) < 5:
+            self.unroutable.add((exc.exchange, exc.routing_key))
         if self.reported < MAX_REPORTED_ERRORS:
             self.reported += 1
-            print(f"reliable-mq: {where}: {type(exc).__name__}: {redact(str(exc), url)}",
-                  file=sys.stderr)  # fmt: skip
+            text = printable(redact(str(exc), url))
+            say(f"reliable-mq: {where}: {type(exc).__name__}: {text}")
+
+    def report_rest(self) -> None:
+        """After the run: how many failures were not shown, and what would fix unroutables."""
+        if self.failed > self.reported:
+            say(
+                f"reliable-mq: ... and {self.failed - self.reported:,} more failure(s) not "
+                "shown (the summary counts them by error)"
+            )
+        for exchange, routing_key in sorted(self.unroutable):
+            if exchange:
+                hint = (
+                    f"no queue is bound to exchange {printable(exchange)!r} for routing key "
+                    f"{printable(routing_key)!r}: bind one first"
+                )
+            else:
+                name = printable(routing_key)
+                hint = (
+                    f"no queue named {name!r} exists: declare it first, e.g. with "
+                    f"`reliable-mq topology {name}` (the queue with its retry queues and DLQ)"
+                )
+            say(f"reliable-mq: hint: {hint}")
 
 
 class _Item(NamedTuple):
@@ -78,8 +107,13 @@ async def _stream_publish(
     progress: Progress,
     url: str,
     keep_latencies: bool = False,
+    stop: asyncio.Event | None = None,
 ) -> _Tally:
-    """Enqueue every item (the window is the backpressure) and collect outcomes in order."""
+    """Enqueue every item (the window is the backpressure) and collect outcomes in order.
+
+    When ``stop`` is set, no further item is read; messages already in flight
+    are still awaited, so the summary counts every outcome.
+    """
     tally = _Tally()
     pending: asyncio.Queue[tuple[str, PendingPublish] | None] = asyncio.Queue(
         maxsize=publisher.settings.max_in_flight * 2
@@ -101,8 +135,7 @@ async def _stream_publish(
                     tally.latencies.append(result.confirm_latency)
             progress.update(tally.confirmed, tally.failed)
 
-    collector = asyncio.create_task(collect())
-    try:
+    async def feed() -> None:
         async for item in items:
             tally.read += 1
             if isinstance(item, Exception):
@@ -121,13 +154,26 @@ async def _stream_publish(
                 tally.fail(item.where, exc, url)
                 continue
             if collector.done():
-                break
+                return
             await pending.put((item.where, outcome))
+
+    collector = asyncio.create_task(collect())
+    feeder = asyncio.create_task(feed())
+    stopper = asyncio.create_task((stop or asyncio.Event()).wait())
+    try:
+        await asyncio.wait((feeder, stopper), return_when=asyncio.FIRST_COMPLETED)
+        if not feeder.done():  # stopped: read no more, but wait for what is in flight
+            tally.interrupted = True
+            feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
+        else:
+            feeder.result()
         if not collector.done():
             await pending.put(None)
         await collector
     finally:
-        collector.cancel()
+        for task in (stopper, feeder, collector):
+            task.cancel()
     progress.finish(tally.confirmed, tally.failed)
     return tally
 
@@ -192,6 +238,19 @@ def _count_lines(path: str) -> int | None:
         raise CLIError(f"cannot read {path}: {exc.strerror}") from None
 
 
+def _raw_lines(fileno: int) -> Iterator[bytes]:
+    """Lines read with ``os.read``: no buffered-reader lock, so an interrupted
+    command can exit while this thread still waits on an idle pipe."""
+    rest = b""
+    while chunk := os.read(fileno, 65536):
+        rest += chunk
+        *lines, rest = rest.split(b"\n")
+        for line in lines:
+            yield line + b"\n"
+    if rest:
+        yield rest
+
+
 async def _read_lines(stream: IO[bytes]) -> AsyncIterator[tuple[int, bytes]]:
     """Yield ``(line number, line)`` from a thread, so a slow pipe never blocks the loop."""
     loop = asyncio.get_running_loop()
@@ -206,7 +265,7 @@ async def _read_lines(stream: IO[bytes]) -> AsyncIterator[tuple[int, bytes]]:
                 loop.call_soon_threadsafe(ready.set)
 
         try:
-            for number, line in enumerate(stream, 1):
+            for number, line in enumerate(_raw_lines(stream.fileno()), 1):
                 put((number, line))
         except BaseException as exc:  # handed to the loop, which raises it
             put(exc)
@@ -267,21 +326,26 @@ async def run_publish(args: argparse.Namespace) -> int:
         raise CLIError("--id-field needs --format json")
     total = _count_lines(args.file)
     started = time.monotonic()
-    async with ReliablePublisher(
-        connection_settings(args), settings=publisher_settings(args), registry=CollectorRegistry()
-    ) as publisher:
-        tally = await _stream_publish(
-            publisher,
-            _publish_items(args),
-            exchange=args.exchange,
-            routing_key=args.routing_key,
-            headers=dict(args.header) or None,
-            content_type=args.content_type,
-            progress=progress_for(args, total=total, label="confirmed"),
-            url=args.url,
-        )
-        stats = publisher.stats()
+    with StopSignals() as signals:
+        async with ReliablePublisher(
+            connection_settings(args),
+            settings=publisher_settings(args),
+            registry=CollectorRegistry(),
+        ) as publisher:
+            tally = await _stream_publish(
+                publisher,
+                _publish_items(args),
+                exchange=args.exchange,
+                routing_key=args.routing_key,
+                headers=dict(args.header) or None,
+                content_type=args.content_type,
+                progress=progress_for(args, total=total, label="confirmed"),
+                url=args.url,
+                stop=signals.event,
+            )
+            stats = publisher.stats()
     elapsed = time.monotonic() - started
+    tally.report_rest()
     rows = [
         ("read", f"{tally.read:,}"),
         ("confirmed", f"{tally.confirmed:,}"),
@@ -291,7 +355,11 @@ async def run_publish(args: argparse.Namespace) -> int:
         ("rate", f"{tally.confirmed / max(elapsed, 1e-9):,.0f} msg/s"),
     ]
     rows += [(f"  {name}", f"{count:,}") for name, count in sorted(tally.errors.items())]
+    if tally.interrupted:
+        rows.append(("interrupted", "yes: the rest of the input was not read"))
     print_table(rows)
+    if signals.exit_code is not None:
+        return signals.exit_code
     return EXIT_FAILED if tally.failed else EXIT_OK
 
 
@@ -360,6 +428,7 @@ async def run_bench(args: argparse.Namespace) -> int:
             finally:
                 if args.queue is None:
                     await declared.delete(if_unused=False, if_empty=False)
+    tally.report_rest()
     latencies = sorted(tally.latencies)
     rate = tally.confirmed / max(elapsed, 1e-9)
     rows = [

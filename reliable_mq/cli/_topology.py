@@ -1,7 +1,7 @@
 """``topology``: declare or delete a work queue with its retry queues and DLQ.
 
-The queues and their arguments come from :class:`reliable_mq.topology.QueueTopology`,
-exactly as :class:`~reliable_mq.consumer.ReliableConsumer` declares them, so a
+The queues and their arguments come from [`reliable_mq.topology.QueueTopology`][reliable_mq.topology.QueueTopology],
+exactly as [`ReliableConsumer`][reliable_mq.consumer.ReliableConsumer] declares them, so a
 queue set made here is the one a consumer with the same ``retry_delays``
 expects.
 """
@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-import aio_pika
 from aio_pika.abc import AbstractConnection
 
+from .._amqp_faults import AMQP_ERRORS
+from ..errors import ConsumerError
 from ..settings import ConsumerSettings
-from ..topology import QueueTopology, QueueType, declare_topology
-from ._common import EXIT_OK, CommandFailed, open_connection, print_table
+from ..topology import QueueCheck, QueueTopology, QueueType, prepare_topology
+from ._common import EXIT_OK, CommandFailed, open_connection, print_table, queue_count, say
 
 __all__ = ("add_topology_arguments", "parse_delays", "run_topology")
 
@@ -70,9 +71,11 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _describe(topology: QueueTopology, name: str) -> tuple[str, str]:
+def _describe(topology: QueueTopology, name: str, check: QueueCheck | None) -> tuple[str, str]:
     """(role, what it does) of one queue of the set."""
     if name == topology.queue:
+        if check is not None and check.adopted:
+            return "work queue", "existed with other arguments: used as it is (see the note)"
         return "work queue", f"rejects dead-letter to {topology.dead_letter_queue}"
     if name == topology.dead_letter_queue:
         return "dead letters", "poison and malformed messages, with reason headers"
@@ -87,13 +90,9 @@ async def _message_counts(connection: AbstractConnection, names: tuple[str, ...]
     """Message count of each queue that exists (absent ones are left out)."""
     counts: dict[str, int] = {}
     for name in names:
-        channel = await connection.channel(publisher_confirms=False)
-        try:
-            queue = await channel.declare_queue(name, passive=True)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            continue
-        counts[name] = int(queue.declaration_result.message_count or 0)
-        await channel.close()
+        count = await queue_count(connection, name)
+        if count is not None:
+            counts[name] = count
     return counts
 
 
@@ -113,23 +112,27 @@ async def run_topology(args: argparse.Namespace) -> int:
             return await _delete(
                 connection, topology, force=args.force, ignore_missing=args.ignore_missing
             )
-        channel = await connection.channel(publisher_confirms=False)
         try:
-            await declare_topology(channel, topology)
-        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
-            raise CommandFailed(
-                f"cannot declare the queues of {topology.queue!r}: {exc}; a queue exists with "
-                "other arguments (other --retry-delays, --quorum or --dlq?)"
-            ) from None
-        with contextlib.suppress(aio_pika.exceptions.AMQPError):
-            await channel.close()
+            check = await prepare_topology(connection, topology)
+        except ConsumerError as exc:
+            raise CommandFailed(str(exc)) from None
         counts = await _message_counts(connection, topology.all_queues)
-    print(f"declared {len(topology.all_queues)} {topology.queue_type.value} queues, all durable:")
+    if check.adopted:
+        print(
+            f"declared {len(topology.side_queues)} {topology.queue_type.value} queues, all "
+            f"durable; {topology.queue} existed and is used as it is:"
+        )
+    else:
+        print(
+            f"declared {len(topology.all_queues)} {topology.queue_type.value} queues, all durable:"
+        )
     rows = []
     for name in topology.all_queues:
-        role, what = _describe(topology, name)
+        role, what = _describe(topology, name, check)
         rows.append((f"  {name}", f"{role:<13} {counts.get(name, 0):>9,} msgs  {what}"))
     print_table(rows)
+    if check.adopted:
+        say(f"reliable-mq: note: {check.warning(topology)}")
     return EXIT_OK
 
 
@@ -167,7 +170,7 @@ async def _delete(
             )
         deleted = await channel.queue_delete(name)
         rows.append((f"  {name}", f"deleted, {int(deleted.message_count or 0):,} msgs dropped"))
-    with contextlib.suppress(aio_pika.exceptions.AMQPError):
+    with contextlib.suppress(*AMQP_ERRORS):
         await channel.close()
     print(f"deleted {len(counts)} of the {len(topology.all_queues)} queues of {topology.queue!r}:")
     print_table(rows)

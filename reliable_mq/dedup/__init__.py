@@ -1,7 +1,7 @@
 """De-duplication stores for idempotent consumers.
 
 ``MemoryDedupStore`` (one process) and ``SQLiteDedupStore`` (one host) are
-here; ``RedisDedupStore`` (every host) lives in :mod:`reliable_mq.dedup.redis`
+here; ``RedisDedupStore`` (every host) lives in `reliable_mq.dedup.redis`
 and needs the ``redis`` extra: ``pip install 'reliable-mq[redis]'``.
 """
 

@@ -7,7 +7,7 @@ keeps the id as *done* for a retention window, so later copies are acked and
 skipped. A lease outlives its claimer only ``lease`` seconds: if the process
 died, another consumer may claim the id again.
 
-Every store raises :class:`DedupStoreUnavailable` when it cannot answer. That
+Every store raises `DedupStoreUnavailable` when it cannot answer. That
 is fail safe on purpose: the caller must neither ack nor run the handler, but
 leave the message to be delivered again later.
 """
@@ -23,7 +23,7 @@ __all__ = ("AlreadyProcessed", "ClaimResult", "DedupStore", "DedupStoreUnavailab
 
 
 class ClaimResult(enum.Enum):
-    """What :meth:`DedupStore.claim` decided for one delivery."""
+    """What `DedupStore.claim()` decided for one delivery."""
 
     CLAIMED = "claimed"
     """The id is now yours until the lease ends: run the handler, then complete or release."""

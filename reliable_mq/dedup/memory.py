@@ -21,7 +21,7 @@ _BUSY = ClaimResult.BUSY
 
 
 class MemoryDedupStore:
-    """A :class:`~reliable_mq.dedup.DedupStore` for one process.
+    """A [`DedupStore`][reliable_mq.dedup.DedupStore] for one process.
 
     Args:
         max_entries: the most ids kept (claims and done ids); beyond it the
@@ -45,19 +45,19 @@ class MemoryDedupStore:
         return len(self._entries)
 
     async def claim(self, message_id: str, *, owner: str, lease: float) -> ClaimResult:
-        """Claim ``message_id`` (see :meth:`DedupStore.claim`)."""
+        """Claim ``message_id`` (see `DedupStore.claim()`)."""
         return self.claim_nowait(message_id, owner=owner, lease=lease)
 
     async def complete(self, message_id: str, *, owner: str) -> None:
-        """Mark ``message_id`` done (see :meth:`DedupStore.complete`)."""
+        """Mark ``message_id`` done (see `DedupStore.complete()`)."""
         self.complete_nowait(message_id, owner=owner)
 
     async def release(self, message_id: str, *, owner: str) -> None:
-        """Drop ``owner``'s claim (see :meth:`DedupStore.release`)."""
+        """Drop ``owner``'s claim (see `DedupStore.release()`)."""
         self.release_nowait(message_id, owner=owner)
 
     def claim_nowait(self, message_id: str, *, owner: str, lease: float) -> ClaimResult:
-        """:meth:`claim` without a coroutine (the consumer's hot path uses it)."""
+        """`claim()` without a coroutine (the consumer's hot path uses it)."""
         if self._closed:
             raise DedupStoreUnavailable("the dedup store is closed")
         if lease <= 0:
@@ -76,7 +76,7 @@ class MemoryDedupStore:
         return _CLAIMED
 
     def complete_nowait(self, message_id: str, *, owner: str) -> None:
-        """:meth:`complete` without a coroutine."""
+        """`complete()` without a coroutine."""
         if self._closed:
             raise DedupStoreUnavailable("the dedup store is closed")
         entries = self._entries
@@ -88,7 +88,7 @@ class MemoryDedupStore:
             entries.popitem(last=False)
 
     def release_nowait(self, message_id: str, *, owner: str) -> None:
-        """:meth:`release` without a coroutine."""
+        """`release()` without a coroutine."""
         if self._closed:
             raise DedupStoreUnavailable("the dedup store is closed")
         entry = self._entries.get(message_id)

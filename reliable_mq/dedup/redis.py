@@ -6,7 +6,7 @@ Redis itself forgets expired leases and old ids. Claim and release are Lua
 scripts: one round trip, atomic against every other client.
 
 Socket timeouts are short on purpose: an unreachable Redis must surface as
-:class:`~reliable_mq.dedup.DedupStoreUnavailable` quickly (the consumer then
+[`DedupStoreUnavailable`][reliable_mq.dedup.DedupStoreUnavailable] quickly (the consumer then
 leaves the message unacked), not stall deliveries. Install with
 ``pip install 'reliable-mq[redis]'``.
 """
@@ -54,7 +54,7 @@ _RESULTS = (ClaimResult.CLAIMED, ClaimResult.DONE, ClaimResult.BUSY)
 
 
 class RedisDedupStore:
-    """A :class:`~reliable_mq.dedup.DedupStore` in Redis.
+    """A [`DedupStore`][reliable_mq.dedup.DedupStore] in Redis.
 
     Args:
         url: the Redis URL (``redis://``, ``rediss://`` or ``unix://``).
@@ -91,7 +91,7 @@ class RedisDedupStore:
         self._closed = False
 
     async def claim(self, message_id: str, *, owner: str, lease: float) -> ClaimResult:
-        """Claim ``message_id`` (see :meth:`DedupStore.claim`)."""
+        """Claim ``message_id`` (see `DedupStore.claim()`)."""
         if lease <= 0:
             raise ValueError("lease must be positive")
         self._check_open()
@@ -102,12 +102,12 @@ class RedisDedupStore:
         return _RESULTS[int(code)]
 
     async def complete(self, message_id: str, *, owner: str) -> None:
-        """Mark ``message_id`` done (see :meth:`DedupStore.complete`)."""
+        """Mark ``message_id`` done (see `DedupStore.complete()`)."""
         self._check_open()
         await self._run(self._client.set(self.prefix + message_id, "done", px=self._retention_ms))
 
     async def release(self, message_id: str, *, owner: str) -> None:
-        """Drop ``owner``'s claim (see :meth:`DedupStore.release`)."""
+        """Drop ``owner``'s claim (see `DedupStore.release()`)."""
         self._check_open()
         await self._run(
             self._release_script(keys=[self.prefix + message_id], args=[f"claimed:{owner}"])

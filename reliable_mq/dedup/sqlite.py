@@ -6,17 +6,20 @@ lock makes them atomic across every process that opens the file (WAL mode lets
 readers go on meanwhile). Times are wall-clock, since processes share them.
 
 Exactly-once effects: when a handler writes its effect into the same database,
-:meth:`SQLiteDedupStore.run_once` (or :meth:`~SQLiteDedupStore.mark_done_in` on
+`SQLiteDedupStore.run_once()` (or `mark_done_in()` on
 your own connection) commits the effect and the *done* mark together, so a
-crash after the commit but before the ack cannot apply it twice::
+crash after the commit but before the ack cannot apply it twice:
 
-    def add_to_balance(conn: sqlite3.Connection) -> None:
-        conn.execute("UPDATE account SET balance = balance + 10 WHERE id = 1")
+```python
+def add_to_balance(conn: sqlite3.Connection) -> None:
+    conn.execute("UPDATE account SET balance = balance + 10 WHERE id = 1")
 
-    try:
-        await store.run_once(delivery.message_id, add_to_balance)
-    except AlreadyProcessed:
-        pass  # another copy committed first: ack and skip
+try:
+    await store.run_once(delivery.message_id, add_to_balance)
+except AlreadyProcessed:
+    pass  # another copy committed first: ack and skip
+```
+
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class _EffectFailed(Exception):
 
 
 class SQLiteDedupStore:
-    """A :class:`~reliable_mq.dedup.DedupStore` in an SQLite file.
+    """A [`DedupStore`][reliable_mq.dedup.DedupStore] in an SQLite file.
 
     Args:
         path: the database file; created if missing. It may be the handlers'
@@ -106,17 +109,17 @@ class SQLiteDedupStore:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="reliable_mq-dedup-sqlite")
 
     async def claim(self, message_id: str, *, owner: str, lease: float) -> ClaimResult:
-        """Claim ``message_id`` (see :meth:`DedupStore.claim`)."""
+        """Claim ``message_id`` (see `DedupStore.claim()`)."""
         if lease <= 0:
             raise ValueError("lease must be positive")
         return await self._call(self._claim, message_id, owner, lease)
 
     async def complete(self, message_id: str, *, owner: str) -> None:
-        """Mark ``message_id`` done (see :meth:`DedupStore.complete`)."""
+        """Mark ``message_id`` done (see `DedupStore.complete()`)."""
         await self._call(self._complete, message_id)
 
     async def release(self, message_id: str, *, owner: str) -> None:
-        """Drop ``owner``'s claim (see :meth:`DedupStore.release`)."""
+        """Drop ``owner``'s claim (see `DedupStore.release()`)."""
         await self._call(self._release, message_id, owner)
 
     async def run_once(self, message_id: str, effect: Callable[[sqlite3.Connection], T]) -> T:

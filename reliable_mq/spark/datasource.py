@@ -13,11 +13,14 @@ public functions of `reliable_mq.spark`:
   raises a deterministic failure (unroutable...) on the driver with
   `raise_for_stats`, so no Spark task retries are spent on it.
 
-Register it once per session::
+Register it in each thread that writes:
 
-    from reliable_mq.spark import register_data_source
-    register_data_source(spark)
-    df.write.format("rabbitmq").mode("append").option("url", url)...save()
+```python
+from reliable_mq.spark import register_data_source
+
+register_data_source(spark)
+df.write.format("rabbitmq").mode("append").option("url", url)  # ...options... .save()
+```
 """
 
 from __future__ import annotations

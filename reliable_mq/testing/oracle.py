@@ -24,7 +24,7 @@ __all__ = ("LossOracle", "OracleReport")
 
 @dataclass(frozen=True)
 class OracleReport:
-    """The verdict of a :class:`LossOracle`; ``ok`` when nothing forbidden happened."""
+    """The verdict of a `LossOracle`; ``ok`` when nothing forbidden happened."""
 
     attempted: int
     confirmed: int

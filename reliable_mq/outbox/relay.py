@@ -1,0 +1,455 @@
+"""``OutboxRelay``: moves committed outbox rows to RabbitMQ with confirms, then removes them.
+
+One cycle: claim a batch (PostgreSQL: ``FOR UPDATE SKIP LOCKED``; SQLite: a
+lease), publish every row through a [ReliablePublisher][reliable_mq.ReliablePublisher],
+wait for each confirm, then in one commit delete the confirmed rows, move the
+refused ones to ``dead`` with their reason, and put the others back with a
+backoff. A row leaves the table only after the broker confirmed it, so a crash
+anywhere means a republish (same ``message_id``), never a loss.
+
+Outcome per row, by the publisher's typed errors:
+
+* confirmed: deleted (or kept as ``sent`` for ``keep_sent`` seconds);
+* ``PublishUnroutable``, ``PublishRefused`` (``ExchangeNotFound``),
+  ``MessageTooLarge``, ``InvalidMessage``: ``dead``, reason in ``last_error``;
+  the rows behind it (its ordering key's too) go on;
+* any other ``PublishError`` (timeout, nacks, no connection): pending again,
+  after a backoff that doubles per attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from prometheus_client import CollectorRegistry
+from pydantic import Field, SecretStr
+from pydantic_settings import SettingsConfigDict
+
+from ..errors import (
+    InvalidMessage,
+    MessageTooLarge,
+    PublishError,
+    PublishRefused,
+    PublishUnroutable,
+    ReliableMQError,
+)
+from ..log import get_logger
+from ..message import Message
+from ..metrics import Metrics
+from ..publisher import ReliablePublisher
+from ..settings import ConnectionSettings, PublisherSettings, _Settings
+from ._backend import Backend, OutboxRow, RowOutcome, RowResult
+from ._dsn import describe_database, dialect_of, error_text, sqlite_path
+from ._schema import DEFAULT_TABLE, Dialect, check_table_name
+from .errors import OutboxUnavailable
+
+__all__ = ("OutboxRelay", "RelaySettings", "RelayStats")
+
+_MAX_REASON = 500
+
+
+class RelaySettings(_Settings):
+    """How an [OutboxRelay][reliable_mq.outbox.OutboxRelay] claims, waits and cleans up."""
+
+    model_config = SettingsConfigDict(env_prefix="RELIABLE_MQ_OUTBOX_")
+
+    batch_size: int = Field(default=500, ge=1, le=10_000, description="rows claimed per batch")
+    scan_limit: int | None = Field(
+        default=None,
+        ge=1,
+        description="oldest pending rows looked at per claim; default 4 x batch_size",
+    )
+    listen: bool = Field(default=True, description="wake on LISTEN/NOTIFY (PostgreSQL)")
+    poll_interval: float = Field(
+        default=1.0, gt=0, le=3600, description="seconds between polls when idle"
+    )
+    publish_timeout: float = Field(
+        default=30.0, gt=0, description="deadline of each row's publish, seconds"
+    )
+    retry_backoff_initial: float = Field(default=1.0, gt=0, le=3600)
+    retry_backoff_max: float = Field(default=60.0, gt=0, le=86_400)
+    keep_sent: float = Field(
+        default=0.0, ge=0, description="seconds confirmed rows are kept as 'sent'; 0 deletes them"
+    )
+    keep_dead: float | None = Field(
+        default=7 * 86_400.0, gt=0, description="seconds dead rows are kept; None keeps them"
+    )
+    cleanup_interval: float = Field(default=60.0, gt=0, description="seconds between cleanups")
+    cleanup_batch: int = Field(default=1000, ge=1, le=100_000, description="rows per DELETE")
+    stats_interval: float = Field(
+        default=5.0, gt=0, description="seconds between backlog measurements (metrics)"
+    )
+    lease: float = Field(
+        default=120.0, gt=0, description="SQLite: seconds a claimed row stays claimed"
+    )
+    transaction_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="PostgreSQL: idle_in_transaction_session_timeout of a batch; "
+        "default publish_timeout + 30",
+    )
+    reconnect_delay_max: float = Field(default=10.0, gt=0, le=600)
+
+    @property
+    def effective_scan_limit(self) -> int:
+        return self.scan_limit if self.scan_limit is not None else 4 * self.batch_size
+
+
+class RelayStats(NamedTuple):
+    """Counters of one relay since it started."""
+
+    batches: int
+    dispatched: int
+    dead: int
+    retried: int
+    outages: int
+    pending: int
+    oldest_age: float
+
+
+Observer = Callable[[Sequence[OutboxRow]], None]
+"""Called with the rows of each batch once their deletion is committed."""
+
+
+class OutboxRelay:
+    """Publishes committed outbox rows with confirms; run as many as you like.
+
+    Use it as an async context manager and call [run][reliable_mq.outbox.OutboxRelay.run]
+    (until [stop][reliable_mq.outbox.OutboxRelay.stop]), or call
+    [run_once][reliable_mq.outbox.OutboxRelay.run_once] for one batch:
+
+    ```python
+    async with OutboxRelay("postgresql://app@db/shop", "amqp://guest:guest@mq/") as relay:
+        await relay.run()
+    ```
+
+    Args:
+        database: a PostgreSQL DSN (``postgresql://...`` or ``host=... dbname=...``),
+            or an SQLite file (a path or ``sqlite:///path``).
+        publisher: an AMQP URL or [ConnectionSettings][reliable_mq.ConnectionSettings]
+            (the relay makes and owns its publisher), or a started
+            [ReliablePublisher][reliable_mq.ReliablePublisher] you own.
+        settings: batching, waiting and cleanup; default from ``RELIABLE_MQ_OUTBOX_*``.
+        publisher_settings: for a publisher the relay makes.
+        table: the outbox table.
+        name: this relay's name in logs (and its SQLite lease owner).
+        registry: the Prometheus registry for metrics (default: the global one).
+        metrics_prefix: the metric name prefix.
+        on_dispatched: called with each batch's confirmed rows after their commit.
+    """
+
+    def __init__(
+        self,
+        database: str | os.PathLike[str],
+        publisher: ReliablePublisher | str | ConnectionSettings | None = None,
+        *,
+        settings: RelaySettings | None = None,
+        publisher_settings: PublisherSettings | None = None,
+        table: str = DEFAULT_TABLE,
+        name: str | None = None,
+        registry: CollectorRegistry | None = None,
+        metrics_prefix: str = "reliable_mq",
+        on_dispatched: Observer | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else RelaySettings()
+        self.table = check_table_name(table)
+        self.name = name or f"relay-{os.getpid()}-{secrets.token_hex(3)}"
+        self.dialect = dialect_of(database)
+        self._backend = self._make_backend(database)
+        self._own_publisher = not isinstance(publisher, ReliablePublisher)
+        if isinstance(publisher, ReliablePublisher):
+            self._publisher = publisher
+        else:
+            connection = (
+                ConnectionSettings(url=SecretStr(publisher))
+                if isinstance(publisher, str)
+                else publisher
+            )
+            self._publisher = ReliablePublisher(
+                connection,
+                settings=publisher_settings,
+                registry=registry,
+                metrics_prefix=metrics_prefix,
+            )
+        metrics = Metrics.on(registry, metrics_prefix)
+        self._pending_gauge = metrics.outbox_pending.labels(self.table)
+        self._age_gauge = metrics.outbox_oldest_age.labels(self.table)
+        self._dispatched_counter = metrics.outbox_dispatched.labels(self.table)
+        self._retry_counter = metrics.outbox_failed.labels(self.table, RowOutcome.RETRY.value)
+        self._dead_counter = metrics.outbox_failed.labels(self.table, RowOutcome.DEAD.value)
+        self._batch_latency = metrics.outbox_batch_latency.labels(self.table)
+        self._on_dispatched = on_dispatched
+        self._log = get_logger(__name__).bind(
+            relay=self.name, database=describe_database(database), table=self.table
+        )
+        self._stopping = asyncio.Event()
+        self._started = False
+        self._next_stats = 0.0
+        self._next_cleanup = 0.0
+        self._batches = self._dispatched = self._dead = self._retried = self._outages = 0
+        self._pending = 0
+        self._oldest_age = 0.0
+
+    def _make_backend(self, database: str | os.PathLike[str]) -> Backend:
+        s = self.settings
+        backoff = (s.retry_backoff_initial, s.retry_backoff_max)
+        if self.dialect is Dialect.SQLITE:
+            from ._sqlite import SQLiteBackend  # noqa: PLC0415 (no psycopg needed)
+
+            return SQLiteBackend(
+                sqlite_path(database),
+                table=self.table,
+                owner=self.name,
+                scan_limit=s.effective_scan_limit,
+                lease=s.lease,
+                keep_sent=s.keep_sent,
+                retry_backoff=backoff,
+            )
+        from ._postgres import PostgresBackend  # noqa: PLC0415 (needs the postgres extra)
+
+        return PostgresBackend(
+            os.fspath(database),
+            table=self.table,
+            scan_limit=s.effective_scan_limit,
+            listen=s.listen,
+            keep_sent=s.keep_sent,
+            retry_backoff=backoff,
+            transaction_timeout=s.transaction_timeout or s.publish_timeout + 30,
+            application_name=f"reliable-mq-outbox-{self.name}"[:63],
+        )
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def __aenter__(self) -> OutboxRelay:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Connect to the database and (for a publisher it owns) to the broker.
+
+        Raises:
+            OutboxError: the table does not exist.
+            OutboxUnavailable: the database cannot be reached.
+            BrokerUnavailable: no broker address accepted a connection.
+        """
+        if self._started:
+            return
+        self._started = True
+        await self._backend.open()
+        if self._own_publisher:
+            try:
+                await self._publisher.start()
+            except BaseException:
+                await self._backend.close()
+                raise
+        self._log.info("outbox_relay_started", listening=self._backend.listening)
+
+    async def close(self) -> None:
+        """Stop, release a batch in progress (its rows stay pending) and disconnect."""
+        self._stopping.set()
+        await self._backend.close()
+        if self._own_publisher:
+            await self._publisher.close(timeout=5)
+        if self._started:
+            self._log.info("outbox_relay_stopped", **self.stats()._asdict())
+
+    def stop(self) -> None:
+        """Ask [run][reliable_mq.outbox.OutboxRelay.run] to return after the current batch."""
+        self._stopping.set()
+
+    def stats(self) -> RelayStats:
+        return RelayStats(
+            batches=self._batches,
+            dispatched=self._dispatched,
+            dead=self._dead,
+            retried=self._retried,
+            outages=self._outages,
+            pending=self._pending,
+            oldest_age=self._oldest_age,
+        )
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Dispatch batches until [stop][reliable_mq.outbox.OutboxRelay.stop] is called.
+
+        A database outage is logged and retried with backoff, forever: the
+        relay never gives up on its rows.
+
+        Raises:
+            OutboxError: the table does not exist (at start or later).
+        """
+        await self.start()
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                await self._housekeeping()
+                handled = await self.run_once()
+                failures = 0
+            except OutboxUnavailable as exc:
+                failures += 1
+                await self._outage(exc, failures)
+                continue
+            if handled < self.settings.batch_size:
+                await self._idle()
+
+    async def run_once(self) -> int:
+        """Claim, publish and finish one batch; return how many rows it held.
+
+        Raises:
+            OutboxUnavailable: the database failed; the batch's rows stay pending.
+        """
+        await self._backend.open()  # after an outage; nothing to do when connected
+        self._backend.forget_notifications()
+        started = time.monotonic()
+        rows = await self._backend.claim(self.settings.batch_size)
+        if not rows:
+            return 0
+        try:
+            results = await self._publish_rows(rows)
+            await self._backend.finish(results)
+        except BaseException:
+            await self._backend.abandon()
+            raise
+        self._count(results, time.monotonic() - started)
+        return len(rows)
+
+    async def cleanup(self) -> int:
+        """Delete old ``sent`` and ``dead`` rows now, in batches; return how many."""
+        s = self.settings
+        deleted = await self._backend.cleanup(
+            keep_sent=s.keep_sent, keep_dead=s.keep_dead, batch=s.cleanup_batch
+        )
+        if deleted:
+            self._log.info("outbox_cleanup", deleted=deleted)
+        return deleted
+
+    async def _idle(self) -> None:
+        stop = asyncio.ensure_future(self._stopping.wait())
+        work = asyncio.ensure_future(self._backend.wait_for_work(self.settings.poll_interval))
+        try:
+            await asyncio.wait((stop, work), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stop, work):
+                task.cancel()
+            await asyncio.gather(stop, work, return_exceptions=True)
+
+    async def _outage(self, exc: OutboxUnavailable, failures: int) -> None:
+        self._outages += 1
+        delay = min(0.1 * 2 ** min(failures, 10), self.settings.reconnect_delay_max)
+        self._log.warning(
+            "outbox_database_unavailable", error=error_text(exc), retry_in=round(delay, 2)
+        )
+        await self._backend.reset()
+        try:
+            async with asyncio.timeout(delay):
+                await self._stopping.wait()
+        except TimeoutError:
+            pass
+
+    async def _housekeeping(self) -> None:
+        await self._backend.open()
+        now = time.monotonic()
+        if now >= self._next_stats:
+            self._next_stats = now + self.settings.stats_interval
+            backlog = await self._backend.backlog()
+            self._pending, self._oldest_age = backlog.pending, backlog.oldest_age
+            self._pending_gauge.set(backlog.pending)
+            self._age_gauge.set(backlog.oldest_age)
+        if now >= self._next_cleanup:
+            self._next_cleanup = now + self.settings.cleanup_interval
+            await self.cleanup()
+
+    # -- publishing -----------------------------------------------------------------------
+
+    async def _publish_rows(self, rows: list[OutboxRow]) -> list[RowResult]:
+        """Publish a batch and wait for every outcome: the one place that talks to the publisher.
+
+        One ``publish_many()``: the rows stream through the confirm window and a
+        batch costs about one confirm round trip; each failure comes back with
+        its row's index.
+        """
+        messages = [
+            Message(
+                row.body,
+                routing_key=row.routing_key,
+                exchange=row.exchange,
+                message_id=row.message_id,
+                headers=_headers(row.properties),
+                content_type=_text_or_none(row.properties.get("content_type")),
+                correlation_id=_text_or_none(row.properties.get("correlation_id")),
+                message_type=_text_or_none(row.properties.get("message_type")),
+            )
+            for row in rows
+        ]
+        result = await self._publisher.publish_many(
+            messages, timeout=self.settings.publish_timeout, raise_on_error=False
+        )
+        failed = {failure.index: failure.error for failure in result.failures}
+        return [
+            self._failed(row, failed[index])
+            if index in failed
+            else RowResult(row, RowOutcome.CONFIRMED)
+            for index, row in enumerate(rows)
+        ]
+
+    def _failed(self, row: OutboxRow, exc: ReliableMQError) -> RowResult:
+        reason = _printable(f"{type(exc).__name__}: {error_text(exc)}")[:_MAX_REASON]
+        if isinstance(exc, (PublishUnroutable, PublishRefused, MessageTooLarge, InvalidMessage)):
+            self._log.warning(
+                "outbox_row_dead",
+                row_id=row.id,
+                message_id=_printable(row.message_id),
+                routing_key=_printable(row.routing_key),
+                reason=reason,
+            )
+            return RowResult(row, RowOutcome.DEAD, reason)
+        if not isinstance(exc, PublishError):  # pragma: no cover - a new error type
+            self._log.error("outbox_row_unexpected_error", row_id=row.id, reason=reason)
+        self._log.info("outbox_row_retry", row_id=row.id, attempts=row.attempts + 1, reason=reason)
+        return RowResult(row, RowOutcome.RETRY, reason)
+
+    def _count(self, results: list[RowResult], seconds: float) -> None:
+        confirmed = [r.row for r in results if r.outcome is RowOutcome.CONFIRMED]
+        dead = sum(1 for r in results if r.outcome is RowOutcome.DEAD)
+        retried = len(results) - len(confirmed) - dead
+        self._batches += 1
+        self._dispatched += len(confirmed)
+        self._dead += dead
+        self._retried += retried
+        if confirmed:
+            self._dispatched_counter.inc(len(confirmed))
+        if dead:
+            self._dead_counter.inc(dead)
+        if retried:
+            self._retry_counter.inc(retried)
+        self._batch_latency.observe(seconds)
+        self._log.debug(
+            "outbox_batch", rows=len(results), confirmed=len(confirmed), dead=dead, retried=retried
+        )
+        if self._on_dispatched is not None and confirmed:
+            self._on_dispatched(confirmed)
+
+
+def _headers(properties: dict[str, Any]) -> dict[str, Any] | None:
+    headers = properties.get("headers")
+    return headers if isinstance(headers, dict) and headers else None
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _printable(text: str) -> str:
+    """Control characters escaped (message ids and broker texts end up in logs)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

@@ -1,0 +1,387 @@
+"""OutboxRelay against a private PostgreSQL (and SQLite) and the shared broker."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sqlite3
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
+
+from reliable_mq import PublisherSettings
+from reliable_mq.cli import main
+from reliable_mq.outbox import (
+    OutboxError,
+    OutboxRelay,
+    OutboxUnavailable,
+    RelaySettings,
+    add,
+    add_sync,
+    schema_sql,
+)
+from reliable_mq.outbox.admin import create_schema, dead_rows, outbox_status, requeue_dead
+from reliable_mq.testing import TCPProxy
+from tests.support.amqp import drain_queue
+from tests.support.private_postgres import PrivatePostgres
+
+pytestmark = pytest.mark.rabbitmq
+
+SECRET = "s3cret-Pw-xyzzy"
+
+
+@pytest.fixture
+async def table(pg: PrivatePostgres) -> AsyncIterator[str]:
+    name = f"outbox_{uuid.uuid4().hex[:8]}"
+    await create_schema(pg.dsn, table=name)
+    yield name
+    async with await psycopg.AsyncConnection.connect(pg.dsn, autocommit=True) as conn:
+        await conn.execute(f"DROP TABLE {name}")
+
+
+async def write(dsn: str, table: str, events: list[dict[str, Any]]) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        for event in events:
+            options = dict(event)
+            body = options.pop("body", b"x")
+            await add(conn, body, table=table, **options)
+        await conn.commit()
+
+
+def relay_for(
+    dsn: str, url: str, table: str, registry: CollectorRegistry | None = None, **settings: Any
+) -> OutboxRelay:
+    publisher_settings = settings.pop("publisher_settings", None)
+    return OutboxRelay(
+        dsn,
+        url,
+        settings=RelaySettings(**{"poll_interval": 0.2, **settings}),
+        publisher_settings=publisher_settings,
+        table=table,
+        registry=registry or CollectorRegistry(),
+    )
+
+
+async def drain_all(relay: OutboxRelay) -> None:
+    while await relay.run_once():
+        pass
+
+
+class TestDispatch:
+    async def test_rows_are_published_with_their_properties_then_deleted(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        await write(
+            pg.dsn,
+            table,
+            [
+                {
+                    "body": {"n": n},
+                    "routing_key": queue,
+                    "message_id": f"m{n}",
+                    "headers": {"tenant": "t1", "n": n},
+                    "correlation_id": "c1",
+                    "message_type": "order.created",
+                }
+                for n in range(5)
+            ],
+        )
+        registry = CollectorRegistry()
+        async with relay_for(pg.dsn, broker_url, table, registry) as relay:
+            await drain_all(relay)
+            assert relay.stats().dispatched == 5
+        drained = await drain_queue(broker_url, queue, idle_timeout=0.5)
+        assert [m.message_id for m in drained] == [f"m{n}" for n in range(5)]
+        assert drained[0].headers == {"tenant": "t1", "n": 0}
+        assert (await outbox_status(pg.dsn, table=table)).pending == 0
+        assert await _rows(pg.dsn, table) == 0  # deleted, not kept
+        value = registry.get_sample_value(
+            "reliable_mq_outbox_dispatched_rows_total", {"table": table}
+        )
+        assert value == 5
+
+    async def test_poison_rows_go_dead_and_never_block_their_key(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        """Unroutable, too large and refused rows are dead with a reason; the key goes on."""
+        await write(
+            pg.dsn,
+            table,
+            [
+                {"routing_key": f"nobody-{queue}", "message_id": "unroutable", "ordering_key": "K"},
+                {
+                    "body": b"x" * 5000,
+                    "routing_key": queue,
+                    "message_id": "large",
+                    "ordering_key": "K",
+                },
+                {
+                    "routing_key": queue,
+                    "exchange": f"missing-{queue}",
+                    "message_id": "refused",
+                    "ordering_key": "K",
+                },
+                {"routing_key": queue, "message_id": "after", "ordering_key": "K"},
+            ],
+        )
+        registry = CollectorRegistry()
+        async with relay_for(
+            pg.dsn,
+            broker_url,
+            table,
+            registry,
+            publisher_settings=PublisherSettings(max_message_size=1000),
+        ) as relay:
+            await drain_all(relay)
+            assert relay.stats().dead == 3
+        reasons = {row.message_id: row.last_error for row in await dead_rows(pg.dsn, table=table)}
+        assert reasons["unroutable"].startswith("PublishUnroutable")
+        assert reasons["large"].startswith("MessageTooLarge")
+        assert reasons["refused"].startswith(("ExchangeNotFound", "PublishRefused"))
+        drained = await drain_queue(broker_url, queue, idle_timeout=0.5)
+        assert [m.message_id for m in drained] == ["after"]
+        dead = registry.get_sample_value(
+            "reliable_mq_outbox_failed_rows_total", {"table": table, "outcome": "dead"}
+        )
+        assert dead == 3
+        # Requeued after the cause is fixed (here: nothing fixed, they die again).
+        assert await requeue_dead(pg.dsn, table=table, ids=[]) == 0
+        assert await requeue_dead(pg.dsn, table=table) == 3
+        assert (await outbox_status(pg.dsn, table=table)).pending == 3
+
+    async def test_one_row_per_key_per_batch_in_order(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        """A key's rows go one per batch, in id order; unkeyed rows go together."""
+        events = [
+            {"routing_key": queue, "message_id": f"{key}{n}", "ordering_key": key}
+            for n in range(3)
+            for key in ("a", "b")
+        ] + [{"routing_key": queue, "message_id": f"free{n}"} for n in range(4)]
+        await write(pg.dsn, table, events)
+        async with relay_for(pg.dsn, broker_url, table) as relay:
+            sizes = []
+            while handled := await relay.run_once():
+                sizes.append(handled)
+        assert sizes == [6, 2, 2]
+        drained = [m.message_id for m in await drain_queue(broker_url, queue, idle_timeout=0.5)]
+        for key in ("a", "b"):
+            assert [m for m in drained if m and m.startswith(key)] == [
+                f"{key}{n}" for n in range(3)
+            ]
+
+    async def test_notify_wakes_the_relay_long_before_the_poll(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        async with relay_for(pg.dsn, broker_url, table, poll_interval=60) as relay:
+            running = asyncio.ensure_future(relay.run())
+            try:
+                await asyncio.sleep(0.3)  # idle, waiting
+                started = time.monotonic()
+                await write(pg.dsn, table, [{"routing_key": queue, "message_id": "wake"}])
+                while relay.stats().dispatched < 1:
+                    assert time.monotonic() - started < 20, "NOTIFY did not wake the relay"
+                    await asyncio.sleep(0.02)
+            finally:
+                relay.stop()
+                await asyncio.wait_for(running, 10)
+
+    async def test_polling_alone_finds_rows(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        async with relay_for(pg.dsn, broker_url, table, listen=False, poll_interval=0.1) as relay:
+            running = asyncio.ensure_future(relay.run())
+            try:
+                await write(pg.dsn, table, [{"routing_key": queue, "message_id": "poll"}])
+                deadline = time.monotonic() + 20
+                while relay.stats().dispatched < 1:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+            finally:
+                relay.stop()
+                await asyncio.wait_for(running, 10)
+
+    async def test_kept_rows_are_cleaned_up_in_batches(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        await write(pg.dsn, table, [{"routing_key": queue} for _ in range(10)])
+        async with relay_for(
+            pg.dsn, broker_url, table, keep_sent=0.2, cleanup_batch=3, cleanup_interval=3600
+        ) as relay:
+            await drain_all(relay)
+            assert (await outbox_status(pg.dsn, table=table)).sent == 10
+            assert await relay.cleanup() == 0  # too young
+            await asyncio.sleep(0.3)
+            assert await relay.cleanup() == 10
+        assert await _rows(pg.dsn, table) == 0
+        await drain_queue(broker_url, queue, idle_timeout=0.3)
+
+
+class TestErrors:
+    async def test_missing_table(self, pg: PrivatePostgres, broker_url: str) -> None:
+        relay = relay_for(pg.dsn, broker_url, "no_such_outbox")
+        with pytest.raises(OutboxError, match="does not exist"):
+            await relay.start()
+        await relay.close()
+
+    async def test_password_never_in_errors_or_logs(self, broker_url: str) -> None:
+        """An unreachable database with a password in its DSN: a typed error, no leak."""
+        dsn = f"postgresql://app:{SECRET}@127.0.0.1:1/db?connect_timeout=2"
+        relay = relay_for(dsn, broker_url, "reliable_mq_outbox")
+        with capture_logs() as logs, pytest.raises(OutboxUnavailable) as info:
+            await relay.start()
+        await relay.close()
+        assert SECRET not in str(info.value) and SECRET not in repr(info.value)
+        assert SECRET not in repr(logs)
+        keyword = f"host=127.0.0.1 port=1 user=app password={SECRET} connect_timeout=2"
+        relay = relay_for(keyword, broker_url, "reliable_mq_outbox")
+        with pytest.raises(OutboxUnavailable) as info:
+            await relay.start()
+        await relay.close()
+        assert SECRET not in str(info.value)
+
+    async def test_relay_outlives_a_database_it_cannot_reconnect_to(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        """Connections cut and new ones refused for a while: the relay waits, then goes on."""
+        async with TCPProxy("127.0.0.1", pg.port) as proxy:
+            dsn = f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres?connect_timeout=2"
+            async with relay_for(dsn, broker_url, table, reconnect_delay_max=0.2) as relay:
+                running = asyncio.ensure_future(relay.run())
+                try:
+                    proxy.set_refuse(True)
+                    await proxy.cut()
+                    await asyncio.sleep(1.5)  # several reconnects fail meanwhile
+                    assert not running.done(), running
+                    assert relay.stats().outages >= 2
+                    proxy.set_refuse(False)
+                    await write(pg.dsn, table, [{"routing_key": queue, "message_id": "back"}])
+                    deadline = time.monotonic() + 20
+                    while relay.stats().dispatched < 1:
+                        assert time.monotonic() < deadline and not running.done()
+                        await asyncio.sleep(0.05)
+                finally:
+                    relay.stop()
+                    await asyncio.wait_for(running, 10)
+        await drain_queue(broker_url, queue, idle_timeout=0.3)
+
+
+class TestSQLite:
+    async def test_relay_on_sqlite(self, tmp_path: Path, broker_url: str, queue: str) -> None:
+        path = tmp_path / "app.db"
+        conn = sqlite3.connect(path)
+        for statement in schema_sql("sqlite"):
+            conn.execute(statement)
+        for n in range(4):
+            add_sync(
+                conn,
+                {"n": n},
+                routing_key=queue,
+                message_id=f"s{n}",
+                ordering_key="K" if n < 2 else None,
+            )
+        add_sync(conn, b"x", routing_key=f"nobody-{queue}", message_id="dead")
+        conn.commit()
+        async with relay_for(str(path), broker_url, "reliable_mq_outbox") as relay:
+            await drain_all(relay)
+            assert relay.stats().dispatched == 4 and relay.stats().dead == 1
+        drained = [m.message_id for m in await drain_queue(broker_url, queue, idle_timeout=0.5)]
+        assert sorted(drained) == ["s0", "s1", "s2", "s3"]
+        assert drained.index("s0") < drained.index("s1")
+        status = await outbox_status(path)
+        assert (status.pending, status.dead) == (0, 1)
+        conn.close()
+
+    async def test_lease_keeps_two_relays_apart(self, tmp_path: Path, broker_url: str) -> None:
+        from reliable_mq.outbox._sqlite import SQLiteBackend
+
+        path = tmp_path / "lease.db"
+        conn = sqlite3.connect(path)
+        for statement in schema_sql("sqlite"):
+            conn.execute(statement)
+        for n in range(6):
+            add_sync(conn, b"x", routing_key="rk", message_id=f"l{n}")
+        conn.commit()
+        conn.close()
+        backends = [
+            SQLiteBackend(
+                path,
+                table="reliable_mq_outbox",
+                owner=owner,
+                scan_limit=100,
+                lease=60,
+                keep_sent=0,
+                retry_backoff=(1, 1),
+            )
+            for owner in ("a", "b")
+        ]
+        try:
+            first = await backends[0].claim(4)
+            second = await backends[1].claim(4)
+            assert {r.message_id for r in first} == {f"l{n}" for n in range(4)}
+            assert {r.message_id for r in second} == {"l4", "l5"}
+            await backends[0].abandon()
+            again = await backends[1].claim(10)
+            assert {r.message_id for r in again} == {f"l{n}" for n in range(4)}
+        finally:
+            for backend in backends:
+                await backend.close()
+
+
+class TestCLI:
+    def test_init_status_dead_requeue_cleanup_relay(
+        self, pg: PrivatePostgres, broker_url: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        table = f"cli_{uuid.uuid4().hex[:8]}"
+        base = ["--dsn", pg.dsn, "--table", table, "--url", broker_url]
+        assert main(["outbox", "init", *base]) == 0
+        assert main(["outbox", "init", *base]) == 0  # idempotent
+        asyncio.run(write(pg.dsn, table, [{"routing_key": f"nobody-{table}", "message_id": "d1"}]))
+        assert main(["outbox", "relay", "--once", *base]) == 0
+        assert main(["outbox", "status", *base]) == 0
+        assert main(["outbox", "dead", "--json", *base]) == 0
+        assert main(["outbox", "requeue", "--id", "999999", *base]) == 1
+        assert main(["outbox", "requeue", "--all", *base]) == 0
+        assert main(["outbox", "cleanup", *base]) == 0
+        out = capsys.readouterr().out
+        assert re.search(r"^dead\s+1$", out, re.MULTILINE), out
+        assert '"message_id": "d1"' in out and "PublishUnroutable" in out
+        assert "1 row(s) pending again" in out
+        asyncio.run(_drop(pg.dsn, table))
+
+    def test_errors_are_one_redacted_line(
+        self,
+        capsys: pytest.CaptureFixture[str],
+        pg: PrivatePostgres,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        dsn = f"postgresql://app:{SECRET}@127.0.0.1:1/db?connect_timeout=2"
+        assert main(["outbox", "status", "--dsn", dsn]) == 2
+        err = capsys.readouterr().err
+        assert SECRET not in err and err.startswith("reliable-mq: error:") and err.count("\n") == 1
+        assert main(["outbox", "status", "--dsn", pg.dsn, "--table", "missing_table"]) == 2
+        assert "does not exist" in capsys.readouterr().err
+        monkeypatch.delenv("RELIABLE_MQ_OUTBOX_DSN", raising=False)
+        assert main(["outbox", "status"]) == 2
+        assert "no database" in capsys.readouterr().err
+        assert main(["outbox", "init", "--print-sql", "postgres"]) == 0
+        assert "FOR EACH STATEMENT" in capsys.readouterr().out
+
+
+async def _rows(dsn: str, table: str) -> int:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cursor = await conn.execute(f"SELECT count(*) FROM {table}")
+        row = await cursor.fetchone()
+        return int(row[0]) if row else -1
+
+
+async def _drop(dsn: str, table: str) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(f"DROP TABLE {table}")
