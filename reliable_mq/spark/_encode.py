@@ -18,8 +18,7 @@ Three flavours:
   UTC instants (``...Z``), so two instants of a DST fold never merge, and the
   text never depends on the session or worker time zone.
 * **header**: AMQP header values (str, int, float, bool, bytes, None); dates,
-  timestamps, decimals and doubles as text so no precision is lost (pamqp
-  writes every Python float as an AMQP float32).
+  timestamps and decimals as text so no precision is lost.
 """
 
 from __future__ import annotations
@@ -378,10 +377,8 @@ def header_encoder(
         return _identity
     if isinstance(data_type, BinaryType):
         return lambda v: None if v is None else bytearray(v)  # AMQP byte array
-    if isinstance(data_type, FloatType):  # AMQP's float is float32: exact
-        return _header_float(path, non_finite, as_text=False)
-    if isinstance(data_type, DoubleType):  # pamqp would narrow it to float32: text
-        return _header_float(path, non_finite, as_text=True)
+    if isinstance(data_type, (FloatType, DoubleType)):  # written as AMQP doubles: exact
+        return _header_float(path, non_finite)
     if isinstance(data_type, NullType):
         return lambda v: None
     text = body_encoder(data_type, path, zone, non_finite)
@@ -396,12 +393,10 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _header_float(path: str, non_finite: NonFinite, *, as_text: bool) -> HeaderEncode:
+def _header_float(path: str, non_finite: NonFinite) -> HeaderEncode:
     def encode(value: Any) -> Any:
-        if value is None:
-            return None
-        if math.isfinite(value):
-            return repr(value) if as_text else value
+        if value is None or math.isfinite(value):
+            return value
         if non_finite is NonFinite.STRING:
             return _NON_FINITE_TEXT.get(value, "NaN")
         if non_finite is NonFinite.NULL:
