@@ -5,9 +5,11 @@ RELIABLE_MQ_URL) with ``pip install 'reliable-mq[spark]'`` and Java 17::
 
     python examples/spark_publish.py
 
-It creates its own queue and DataFrame, publishes every row (one message per
-row, its id derived from ``order_id``), prints the report and a message, and
-deletes the queue.
+It creates its own queue and DataFrame, publishes every row twice: with
+``publish_dataframe`` (which returns a report) and with
+``df.write.format("rabbitmq")``. Both send the same message ids (derived from
+the whole row), so a de-duplicating consumer applies each row once. It prints
+the report and a message, and deletes the queue.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import uuid
 import aio_pika
 from pyspark.sql import SparkSession
 
-from reliable_mq.spark import PublishSpec, publish_dataframe
+from reliable_mq.spark import PublishSpec, publish_dataframe, register_data_source
 
 URL = os.environ.get("RELIABLE_MQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 
@@ -72,8 +74,8 @@ def main() -> None:
         spec = PublishSpec(
             url=URL,
             routing_key=queue,  # the default exchange routes by queue name
-            key_columns=("order_id",),  # the message id derives from these
-            id_namespace="example-orders-v1",
+            key_columns=("order_id",),  # checked: never null
+            id_namespace="example-orders-v1",  # with the row, it makes the message id
             header_columns=("customer",),
         )
         report = publish_dataframe(orders, spec)
@@ -83,6 +85,19 @@ def main() -> None:
             f"{report.task_attempts} task attempts, {report.seconds:.2f} s"
         )
         asyncio.run(peek(queue))
+
+        register_data_source(spark)  # makes format("rabbitmq") known to this session
+        (
+            orders.write.format("rabbitmq")
+            .mode("append")
+            .option("url", URL)
+            .option("routing_key", queue)
+            .option("key_columns", "order_id")
+            .option("id_namespace", "example-orders-v1")
+            .option("header_columns", "customer")
+            .save()
+        )
+        print('df.write.format("rabbitmq") published the same rows again, under the same ids')
     finally:
         asyncio.run(delete(queue))
         spark.stop()

@@ -26,6 +26,12 @@ def run_sync(factory: Callable[[], Awaitable[_T]], *, thread_name: str = "reliab
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        running = False
+    else:
+        running = True
+    if not running:
+        # Outside the ``except`` block: an error raised by the coroutine must not
+        # be chained to the "no running event loop" RuntimeError of the probe.
         return asyncio.run(main())
     result: list[_T] = []
     error: list[BaseException] = []

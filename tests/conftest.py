@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry
 from reliable_mq.testing import TCPProxy
 from tests.support.amqp import wait_for_amqp_sync
 
+pytest_plugins = ["tests.support.spark"]  # the shared SparkSession (spark, spark_queue)
+
 BROKER_URL = os.environ.get("RELIABLE_MQ_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
 BROKER_PORT = 5672
 

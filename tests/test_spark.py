@@ -7,7 +7,6 @@ retries a task). Broker tests use the shared RabbitMQ and their own queues.
 
 from __future__ import annotations
 
-import os
 import pickle
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,74 +23,42 @@ pytest.importorskip("pyspark")
 
 from pyspark import TaskContext
 from pyspark.sql import DataFrame, Row, SparkSession
+from pyspark.sql.types import (
+    BinaryType,
+    DoubleType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from reliable_mq import InvalidMessage, InvalidSettings, PublisherSettings, PublishUnroutable
+from reliable_mq._sync import run_sync as _run_sync
 from reliable_mq.spark import (
     HEADER_BATCH_ID,
     HEADER_PARTITION,
     HEADER_TASK_ATTEMPT,
     DestinationNotFound,
+    IdScheme,
+    NonFinite,
+    PartitionNotConfirmed,
     PublishReport,
     PublishSpec,
-    _RowEncoder,
-    _run_sync,
-    _Task,
+    TaskInfo,
     check_destination,
     foreach_batch_sink,
     message_id_for,
     partition_publisher,
+    plan_publish,
     publish_dataframe,
+    publish_partition,
 )
-from tests.support.amqp import DrainedMessage, drain_queue, drain_queue_sync, run_sync
+from reliable_mq.spark._plan import RowEncoder
+from tests.support.amqp import DrainedMessage, drain_queue, drain_queue_sync
 
 ROWS_PER_PARTITION = 2_500
 PARTITIONS = 4
 TOTAL = ROWS_PER_PARTITION * PARTITIONS
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[SparkSession]:
-    """One local session for the whole run (it takes several seconds to start)."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    session = (
-        SparkSession.builder.master("local[2,4]")
-        .appName("reliable_mq-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.streaming.forceDeleteTempCheckpointLocation", "true")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
-
-
-async def _declare(url: str, name: str) -> None:
-    import aio_pika
-
-    connection = await aio_pika.connect(url)
-    async with connection:
-        channel = await connection.channel()
-        await channel.declare_queue(name, durable=True)
-
-
-async def _delete(url: str, name: str) -> None:
-    import aio_pika
-
-    connection = await aio_pika.connect(url)
-    async with connection:
-        channel = await connection.channel()
-        await channel.queue_delete(name)
-
-
-@pytest.fixture(name="spark_queue")
-def _spark_queue(broker_url: str) -> Iterator[str]:
-    """A fresh durable queue (sync fixture: Spark tests are mostly synchronous)."""
-    name = f"test-spark-{uuid.uuid4().hex[:12]}"
-    run_sync(lambda: _declare(broker_url, name))
-    yield name
-    run_sync(lambda: _delete(broker_url, name))
 
 
 def _orders(spark: SparkSession) -> DataFrame:
@@ -114,6 +80,11 @@ def _spec(url: str, queue: str, **overrides: Any) -> PublishSpec:
     return PublishSpec(**fields)
 
 
+def _order_id(spec: PublishSpec, i: int) -> str:
+    """The id of row ``i`` of `_orders` (ids from the whole row)."""
+    return message_id_for(spec, {"order_id": i, "customer": f"customer-{i % 7}", "amount": i * 1.5})
+
+
 def _ids(messages: list[DrainedMessage]) -> Counter[str]:
     return Counter(m.message_id for m in messages if m.message_id is not None)
 
@@ -124,19 +95,25 @@ class TestPublishSpec:
     def test_rejects_unusable_combinations(self) -> None:
         """Every problem is named by field in one InvalidSettings."""
         with pytest.raises(InvalidSettings) as caught:
-            PublishSpec(url="http://nowhere", id_namespace="", body_column="b", columns=["a"])
+            PublishSpec(
+                url="http://nowhere", id_namespace="", body_column="b", columns=["a"], ids="key"
+            )
         text = str(caught.value)
         for name in ("url", "routing_key", "id_namespace", "key_columns", "body_column"):
             assert f"{name}:" in text
 
-    def test_positional_ids_need_an_explicit_opt_in(self) -> None:
-        """Without key columns the weaker id scheme must be asked for."""
-        with pytest.raises(InvalidSettings, match="allow_positional_ids"):
-            PublishSpec(url="amqp://127.0.0.1/", routing_key="q", id_namespace="ns")
+    def test_enums_accept_their_values_and_name_the_choices(self) -> None:
+        """ids and non_finite take enum values (or their strings); others are refused."""
         spec = PublishSpec(
-            url="amqp://127.0.0.1/", routing_key="q", id_namespace="ns", allow_positional_ids=True
+            url="amqp://127.0.0.1/", routing_key="q", id_namespace="ns", ids="position"
         )
-        assert spec.key_columns == ()
+        assert spec.ids is IdScheme.POSITION
+        with pytest.raises(InvalidSettings, match="ids: must be one of 'row', 'key', 'position'"):
+            PublishSpec(url="amqp://127.0.0.1/", routing_key="q", id_namespace="ns", ids="rows")
+        with pytest.raises(InvalidSettings, match="non_finite"):
+            PublishSpec(url="amqp://127.0.0.1/", routing_key="q", id_namespace="n", non_finite="x")
+        with pytest.raises(InvalidSettings, match="unknown time zone"):
+            PublishSpec(url="amqp://127.0.0.1/", routing_key="q", id_namespace="n", time_zone="X/Y")
 
     def test_pickles_and_hides_the_password(self) -> None:
         """A spec pickles (to executors) and its repr never shows the password."""
@@ -148,24 +125,74 @@ class TestPublishSpec:
         assert copy.connection.url.get_secret_value() == "amqp://guest:s3cret@127.0.0.1:5672/"
         assert copy.key_columns == ("order_id",)
 
-    def test_message_id_is_uuid5_of_canonical_keys(self) -> None:
-        """The id is uuid5(uuid5(URL, namespace), sorted compact JSON of the keys)."""
-        spec = _spec("amqp://127.0.0.1/", "q", key_columns=("b", "a"), id_namespace="orders-v1")
+    def test_key_id_is_uuid5_of_canonical_keys(self) -> None:
+        """ids="key": uuid5(uuid5(URL, namespace), sorted compact JSON of the keys)."""
+        spec = _spec(
+            "amqp://127.0.0.1/", "q", key_columns=("b", "a"), id_namespace="orders-v1", ids="key"
+        )
         namespace = uuid.uuid5(uuid.NAMESPACE_URL, "orders-v1")
         expected = str(uuid.uuid5(namespace, '{"a":"x","b":1}'))
-        assert message_id_for(spec, {"b": 1, "a": "x"}) == expected
+        assert message_id_for(spec, {"b": 1, "a": "x", "other": 2}) == expected
+
+    def test_options_build_the_same_spec(self) -> None:
+        """The data source's string options carry every field but the serializer."""
+        spec = PublishSpec.from_options(
+            {
+                "URL": "amqp://guest:guest@127.0.0.1:5672/",
+                "routing_key": "q",
+                "id_namespace": "ns",
+                "key_columns": "a, b",
+                "header_columns": '["c"]',
+                "headers": '{"x-source": "spark"}',
+                "ids": "row",
+                "non_finite": "string",
+                "allow_null_keys": "true",
+                "time_zone": "+02:00",
+                "max_task_attempts": "2",
+                "publisher.max_in_flight": "50",
+                "connection.heartbeat": "10",
+                "connection.password": "pw",
+            }
+        )
+        assert spec.key_columns == ("a", "b")
+        assert spec.header_columns == ("c",)
+        assert spec.headers == {"x-source": "spark"}
+        assert (spec.non_finite, spec.allow_null_keys, spec.max_task_attempts) == (
+            NonFinite.STRING,
+            True,
+            2,
+        )
+        assert spec.publisher.max_in_flight == 50
+        assert spec.connection.heartbeat == 10
+        assert "pw" in str(spec.connection.addresses[0].url)
+        with pytest.raises(InvalidSettings, match="routingkey: unknown option"):
+            PublishSpec.from_options({"url": "amqp://127.0.0.1/", "routingkey": "q"})
+
+
+_ORDER_SCHEMA = StructType(
+    [
+        StructField("order_id", LongType()),
+        StructField("customer", StringType()),
+        StructField("amount", DoubleType()),
+    ]
+)
+
+
+def _encoder(spec: PublishSpec, task: TaskInfo, schema: StructType = _ORDER_SCHEMA) -> RowEncoder:
+    return RowEncoder(plan_publish(spec, schema), task)
 
 
 class TestRowEncoder:
     """Rows become id, body, routing key and headers (no Spark session needed)."""
 
-    def test_key_ids_ignore_the_task_attempt_and_batch(self) -> None:
+    def test_ids_ignore_the_task_attempt_and_batch(self) -> None:
         """A retried task or a replayed batch sends the same ids; attempt goes in headers."""
         spec = _spec("amqp://127.0.0.1/", "q")
         row = Row(order_id=7, customer="c", amount=1.5)
-        first = _RowEncoder(spec, _Task(partition=1, attempt=0, batch_id=3))(row)
-        retry = _RowEncoder(spec, _Task(partition=2, attempt=1, batch_id=4))(row)
-        assert first.message_id == retry.message_id == message_id_for(spec, {"order_id": 7})
+        first = _encoder(spec, TaskInfo(partition=1, attempt=0, batch_id=3))(row)
+        retry = _encoder(spec, TaskInfo(partition=2, attempt=1, batch_id=4))(row)
+        expected = message_id_for(spec, {"order_id": 7, "customer": "c", "amount": 1.5})
+        assert first.message_id == retry.message_id == expected
         assert first.headers == {
             HEADER_PARTITION: 1,
             HEADER_TASK_ATTEMPT: 0,
@@ -173,26 +200,36 @@ class TestRowEncoder:
             "customer": "c",
         }
         assert retry.headers[HEADER_TASK_ATTEMPT] == 1
-        assert first.body == b'{"amount":1.5,"customer":"c","order_id":7}'
+        assert first.body == b'{"order_id":7,"customer":"c","amount":1.5}'
 
     def test_positional_ids_follow_partition_and_row_index(self) -> None:
         """Positional ids differ by row index and partition, not by attempt."""
         spec = PublishSpec(
-            url="amqp://127.0.0.1/", routing_key="q", id_namespace="n", allow_positional_ids=True
+            url="amqp://127.0.0.1/", routing_key="q", id_namespace="n", ids="position"
         )
+        schema = StructType([StructField("v", LongType())])
         rows = [Row(v=1), Row(v=1)]
 
-        def ids(task: _Task) -> list[str]:
-            encoder = _RowEncoder(spec, task)
+        def ids(task: TaskInfo) -> list[str]:
+            encoder = _encoder(spec, task, schema)
             return [encoder(row).message_id for row in rows]
 
-        a, b, c = ids(_Task(0, 0, None)), ids(_Task(0, 1, None)), ids(_Task(1, 0, None))
+        a = ids(TaskInfo(0, 0, None))
+        b = ids(TaskInfo(0, 1, None))
+        c = ids(TaskInfo(1, 0, None))
         assert a == b
         assert len(set(a)) == 2
         assert not set(a) & set(c)
 
     def test_body_column_serializer_and_routing_key_column(self) -> None:
         """The body comes from a column or a serializer; the routing key from a column."""
+        schema = StructType(
+            [
+                StructField("k", LongType()),
+                StructField("payload", BinaryType()),
+                StructField("rk", StringType()),
+            ]
+        )
         row = Row(k=1, payload=b"raw", rk="orders.eu")
         base: dict[str, Any] = {
             "url": "amqp://127.0.0.1/",
@@ -200,13 +237,14 @@ class TestRowEncoder:
             "key_columns": ["k"],
             "id_namespace": "n",
         }
-        by_column = _RowEncoder(PublishSpec(**base, body_column="payload"), _Task(0, 0, None))(row)
+        task = TaskInfo(0, 0, None)
+        by_column = _encoder(PublishSpec(**base, body_column="payload"), task, schema)(row)
         assert (by_column.body, by_column.routing_key) == (b"raw", "orders.eu")
-        serialized = _RowEncoder(
-            PublishSpec(**base, serializer=lambda r: f"k={r.k}"), _Task(0, 0, None)
-        )(row)
-        assert serialized.body == "k=1"
-        selected = _RowEncoder(PublishSpec(**base, columns=["k"]), _Task(0, 0, None))(row)
+        serialized = _encoder(PublishSpec(**base, serializer=lambda r: f"k={r.k}"), task, schema)(
+            row
+        )
+        assert serialized.body == b"k=1"
+        selected = _encoder(PublishSpec(**base, columns=["k"]), task, schema)(row)
         assert selected.body == b'{"k":1}'
 
 
@@ -229,6 +267,17 @@ class TestSyncBridge:
             return threading.get_ident()
 
         assert _run_sync(where) == threading.get_ident()
+
+    def test_errors_are_not_chained_to_the_loop_probe(self) -> None:
+        """Issue 15 item 8: no spurious "no running event loop" in front of the real error."""
+
+        async def fail() -> None:
+            raise InvalidMessage("the real error")
+
+        with pytest.raises(InvalidMessage) as caught:
+            _run_sync(fail)
+        assert caught.value.__context__ is None
+        assert caught.value.__cause__ is None
 
     def test_public_names_are_sorted_and_errors_rooted(self) -> None:
         """The module's __all__ is a sorted tuple; its errors derive from ReliableMQError."""
@@ -275,7 +324,7 @@ class TestPublishDataFrame:
         ids = _ids(messages)
         assert len(messages) == TOTAL
         assert set(ids.values()) == {1}
-        assert set(ids) == {message_id_for(spec, {"order_id": i}) for i in range(TOTAL)}
+        assert set(ids) == {_order_id(spec, i) for i in range(TOTAL)}
         sample = messages[0]
         assert sample.headers[HEADER_TASK_ATTEMPT] == 0
         assert sample.headers["customer"].startswith("customer-")
@@ -283,8 +332,14 @@ class TestPublishDataFrame:
     def test_retried_task_duplicates_only_its_own_ids(
         self, spark: SparkSession, broker_url: str, spark_queue: str
     ) -> None:
-        """Partition 1 fails after half its rows; Spark retries; dedup by id gives 10,000."""
+        """Partition 1 fails after half its rows; Spark retries; dedup by id gives 10,000.
+
+        Rows go to the publisher in chunks of 10 x max_in_flight (here 1,000): the
+        first chunk of partition 1 was confirmed before the failure, the rows of the
+        chunk being read when the serializer raised were never sent.
+        """
         fail_at = ROWS_PER_PARTITION + ROWS_PER_PARTITION // 2  # the middle of partition 1
+        chunk = 1_000
 
         def serialize(row: Any) -> dict[str, Any]:
             context = TaskContext.get()
@@ -293,7 +348,12 @@ class TestPublishDataFrame:
                 raise RuntimeError("injected failure after half of partition 1")
             return {"order_id": row.order_id}
 
-        spec = _spec(broker_url, spark_queue, serializer=serialize)
+        spec = _spec(
+            broker_url,
+            spark_queue,
+            serializer=serialize,
+            publisher=PublisherSettings(max_in_flight=chunk // 10),
+        )
         report = publish_dataframe(_orders(spark), spec)
 
         assert (report.rows, report.confirmed) == (TOTAL, TOTAL)
@@ -302,8 +362,8 @@ class TestPublishDataFrame:
         messages = drain_queue_sync(broker_url, spark_queue)
         ids = _ids(messages)
         duplicated = {mid for mid, n in ids.items() if n > 1}
-        half = range(ROWS_PER_PARTITION, fail_at)
-        assert duplicated == {message_id_for(spec, {"order_id": i}) for i in half}
+        half = range(ROWS_PER_PARTITION, ROWS_PER_PARTITION + chunk)
+        assert duplicated == {_order_id(spec, i) for i in half}
         assert set(ids.values()) == {1, 2}
         assert {m.headers[HEADER_PARTITION] for m in messages if m.message_id in duplicated} == {1}
         applied = {m.message_id for m in messages}  # a de-duplicating consumer's effects
@@ -358,10 +418,10 @@ class TestPublishDataFrame:
     def test_foreach_partition_form(
         self, spark: SparkSession, broker_url: str, spark_queue: str
     ) -> None:
-        """df.foreachPartition(partition_publisher(spec)) publishes every row once."""
+        """df.foreachPartition(partition_publisher(spec, df)) publishes every row once."""
         spec = _spec(broker_url, spark_queue, publisher=PublisherSettings(max_in_flight=200))
         df = spark.range(1_000, numPartitions=2).selectExpr("id AS order_id", "'c' AS customer")
-        df.foreachPartition(partition_publisher(spec))
+        df.foreachPartition(partition_publisher(spec, df))
         ids = _ids(drain_queue_sync(broker_url, spark_queue))
         assert len(ids) == 1_000
         assert set(ids.values()) == {1}
@@ -377,7 +437,7 @@ class TestPublishDataFrame:
         spec = _spec(broker_url, "no-such-binding", exchange="amq.direct")
         df = spark.range(100, numPartitions=1).selectExpr("id AS order_id", "'c' AS customer")
         with pytest.raises(Exception, match="PublishUnroutable") as caught:
-            df.foreachPartition(partition_publisher(spec))
+            df.foreachPartition(partition_publisher(spec, df, check=False))
         assert "NO_ROUTE" in str(caught.value)
 
 
@@ -427,9 +487,9 @@ class TestInTaskRounds:
 
     async def test_nacked_rows_fail_the_task_after_the_last_round(self, broker_url: str) -> None:
         """A full queue nacks the overflow every round; the task raises for Spark to retry."""
-        import aio_pika
+        import asyncio
 
-        from reliable_mq.spark import PartitionNotConfirmed, _publish_partition
+        import aio_pika
 
         name = f"test-spark-full-{uuid.uuid4().hex[:12]}"
         connection = await aio_pika.connect(broker_url)
@@ -448,9 +508,10 @@ class TestInTaskRounds:
                         max_attempts=2, backoff_initial=0.01, backoff_max=0.02
                     ),
                 )
-                rows = [Row(order_id=i) for i in range(80)]
+                plan = plan_publish(spec, StructType([StructField("order_id", LongType())]))
+                rows = [(i,) for i in range(80)]
                 with pytest.raises(PartitionNotConfirmed, match="30 messages still unconfirmed"):
-                    await _publish_partition(spec, rows, _Task(0, 0, None))
+                    await asyncio.to_thread(publish_partition, plan, rows)
                 messages = await drain_queue(broker_url, name)
                 assert len(messages) == 50
             finally:

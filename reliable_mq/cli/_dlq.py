@@ -31,9 +31,16 @@ from aio_pika.abc import (
 )
 from prometheus_client import CollectorRegistry
 
-from .._session import DEAD_LETTER_HEADERS, LAST_ERROR_HEADER
-from ..delivery import ATTEMPT_HEADER
 from ..errors import PublishError
+from ..headers import (
+    ATTEMPT_HEADER,
+    BROKER_DEATH_HEADERS,
+    DEAD_LETTER_HEADERS,
+    DEATH_HEADER,
+    DELIVERY_COUNT_HEADER,
+    LAST_ERROR_HEADER,
+    MOVED_FROM_HEADER,
+)
 from ..publisher import ReliablePublisher
 from ..settings import PublisherSettings
 from ._common import (
@@ -62,24 +69,15 @@ __all__ = (
     "run_dlq",
 )
 
-MOVED_FROM_HEADER = "x-reliable-mq-moved-from"
-"""Set on a message ``dlq move`` sent back: the DLQ it came from."""
-
 _REASON, _ERROR_TYPE, _ERROR_MESSAGE, _ATTEMPTS, _QUEUE, _AT = DEAD_LETTER_HEADERS
 _STRIP_ON_MOVE = frozenset(
     {
         *DEAD_LETTER_HEADERS,
+        *BROKER_DEATH_HEADERS,
         ATTEMPT_HEADER,
         LAST_ERROR_HEADER,
         MOVED_FROM_HEADER,
-        "x-death",
-        "x-delivery-count",
-        "x-first-death-exchange",
-        "x-first-death-queue",
-        "x-first-death-reason",
-        "x-last-death-exchange",
-        "x-last-death-queue",
-        "x-last-death-reason",
+        DELIVERY_COUNT_HEADER,
     }
 )
 
@@ -108,7 +106,7 @@ class DeadLetterInfo(NamedTuple):
             error_type, error_message = text(_ERROR_TYPE), text(_ERROR_MESSAGE)
             error = f"{error_type}: {error_message}" if error_type else error_message
             return cls(text(_REASON), error, text(_ATTEMPTS), text(_QUEUE) or None, text(_AT))
-        deaths = headers.get("x-death")
+        deaths = headers.get(DEATH_HEADER)
         if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
             death = deaths[0]
             queue = jsonable(death.get("queue"))

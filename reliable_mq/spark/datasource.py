@@ -1,0 +1,183 @@
+"""``df.write.format("rabbitmq")`` and ``writeStream.format("rabbitmq")``: a Python Data Source.
+
+Built on PySpark 4's ``pyspark.sql.datasource`` API and on nothing but the
+public functions of `reliable_mq.spark`:
+
+* on the driver, `RabbitMQDataSource.writer` builds a `PublishSpec` from the
+  options (`PublishSpec.from_options`), checks it against the schema
+  (`plan_publish`) and checks the destination (`check_destination`), so a bad
+  schema or a missing queue fails before any task runs;
+* each task gets Arrow batches and runs `publish_partition` on them
+  (`arrow_rows`): the same publishing path as `publish_dataframe`;
+* each task's `PartitionStats` comes back as its commit message; ``commit``
+  raises a deterministic failure (unroutable...) on the driver with
+  `raise_for_stats`, so no Spark task retries are spent on it.
+
+Register it in each thread that writes:
+
+```python
+from reliable_mq.spark import register_data_source
+
+register_data_source(spark)
+df.write.format("rabbitmq").mode("append").option("url", url)  # ...options... .save()
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import SparkSession
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import StructType
+
+from ..errors import InvalidSettings
+from ._driver import check_destination, raise_for_stats
+from ._partition import PartitionStats, publish_partition
+from ._plan import PublishPlan, arrow_rows, plan_publish
+from ._spec import IdScheme, PublishSpec
+
+__all__ = (
+    "RabbitMQDataSource",
+    "RabbitMQStreamWriter",
+    "RabbitMQWriter",
+    "StatsMessage",
+    "register_data_source",
+)
+
+
+def register_data_source(spark: SparkSession) -> None:
+    """Make ``format("rabbitmq")`` available in ``spark``, for the calling thread.
+
+    Spark (4.3 seen) looks a Python data source up through the JVM thread's
+    *active* session, which a thread other than the one that built the session
+    does not have: ``save()`` there fails with ``DATA_SOURCE_NOT_FOUND``. So
+    this also makes ``spark`` the active session of the calling thread (classic
+    sessions). Call it in every thread that writes with ``format("rabbitmq")``.
+    """
+    spark.dataSource.register(RabbitMQDataSource)
+    jvm, jsession = getattr(spark, "_jvm", None), getattr(spark, "_jsparkSession", None)
+    if jvm is not None and jsession is not None:  # not under Spark Connect
+        jvm.SparkSession.setActiveSession(jsession)
+
+
+class RabbitMQDataSource(DataSource):
+    """The ``rabbitmq`` format: write-only, batch and streaming.
+
+    Options are `PublishSpec`'s fields (see `PublishSpec.from_options`), plus
+    ``check_destination`` (default ``true``: passive declare on the driver).
+    Only ``mode("append")`` is supported: a queue cannot be overwritten.
+    ``ids="key"`` is refused: its duplicate check needs a Spark job that a
+    data source cannot run (use `publish_dataframe` for it).
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return "rabbitmq"
+
+    def writer(self, schema: StructType, overwrite: bool) -> RabbitMQWriter:
+        return RabbitMQWriter(self._plan(schema, overwrite))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> RabbitMQStreamWriter:
+        return RabbitMQStreamWriter(self._plan(schema, overwrite))
+
+    def _plan(self, schema: StructType, overwrite: bool) -> PublishPlan:
+        options: dict[str, str] = {str(k).lower(): str(v) for k, v in self.options.items()}
+        if overwrite:
+            raise InvalidSettings(
+                "rabbitmq options", [("mode", "a queue cannot be overwritten: use mode('append')")]
+            )
+        check = options.pop("check_destination", "true").strip().lower() not in ("false", "0")
+        spec = PublishSpec.from_options(options)
+        if spec.ids == IdScheme.KEY:
+            raise InvalidSettings(
+                "rabbitmq options",
+                [
+                    (
+                        "ids",
+                        "'key' needs a duplicate-key check job that a data source cannot "
+                        "run; use ids='row', or publish_dataframe() for key ids",
+                    )
+                ],
+            )
+        plan = plan_publish(spec, schema)
+        if check:
+            check_destination(spec)
+        return plan
+
+
+class StatsMessage(WriterCommitMessage):
+    """A task's commit message: its `PartitionStats`."""
+
+    def __init__(self, stats: PartitionStats) -> None:
+        self.stats = stats
+
+
+def _publish_batches(plan: PublishPlan, batches: Iterator[pa.RecordBatch]) -> StatsMessage:
+    first = next(batches, None)
+    if first is not None and plan.spec.time_zone is None:
+        zone = _session_zone(first.schema)
+        if zone is not None:  # Arrow carries spark.sql.session.timeZone
+            plan = dataclasses.replace(plan, time_zone=zone)
+    chained = itertools.chain(() if first is None else (first,), batches)
+    return StatsMessage(publish_partition(plan, arrow_rows(chained)))
+
+
+def _session_zone(schema: pa.Schema) -> str | None:
+    pending: list[Any] = [field.type for field in schema]
+    while pending:
+        data_type = pending.pop()
+        if pa.types.is_timestamp(data_type) and data_type.tz:
+            return str(data_type.tz)
+        if pa.types.is_struct(data_type):
+            pending.extend(data_type.field(i).type for i in range(data_type.num_fields))
+        elif pa.types.is_map(data_type):
+            pending.extend((data_type.key_type, data_type.item_type))
+        elif pa.types.is_list(data_type) or pa.types.is_large_list(data_type):
+            pending.append(data_type.value_type)
+    return None
+
+
+def _stats_of(messages: list[Any]) -> list[PartitionStats]:
+    return [m.stats for m in messages if isinstance(m, StatsMessage)]
+
+
+class RabbitMQWriter(DataSourceArrowWriter):
+    """Batch writes: each task publishes its partition; ``commit`` raises deterministic failures."""
+
+    def __init__(self, plan: PublishPlan) -> None:
+        self.plan = plan
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> StatsMessage:
+        return _publish_batches(self.plan, iterator)
+
+    def commit(self, messages: list[Any]) -> None:
+        raise_for_stats(_stats_of(messages))
+
+    def abort(self, messages: list[Any]) -> None:
+        """Nothing to undo: confirmed messages stay; a re-run sends the same ids."""
+
+
+class RabbitMQStreamWriter(DataSourceStreamArrowWriter):
+    """Micro-batch writes: the batch id goes in the ``x-spark-batch-id`` header."""
+
+    def __init__(self, plan: PublishPlan) -> None:
+        self.plan = plan
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> StatsMessage:
+        return _publish_batches(self.plan, iterator)
+
+    def commit(self, messages: list[Any], batchId: int) -> None:
+        raise_for_stats(_stats_of(messages))
+
+    def abort(self, messages: list[Any], batchId: int) -> None:
+        """Nothing to undo: the batch is replayed on restart with the same ids."""

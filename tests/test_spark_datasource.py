@@ -1,0 +1,211 @@
+"""``format("rabbitmq")`` for batch and streaming writes, and stopping streams (item 9)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from pyspark.sql import DataFrame, SparkSession
+
+from reliable_mq.spark import (
+    HEADER_BATCH_ID,
+    PublishReport,
+    PublishSpec,
+    UnsupportedSchema,
+    foreach_batch_sink,
+    publish_dataframe,
+    register_data_source,
+    stop_after_current_batch,
+)
+from tests.support.amqp import DrainedMessage, drain_queue_sync
+
+pytestmark = [pytest.mark.spark, pytest.mark.rabbitmq]
+
+
+def _rows(spark: SparkSession) -> DataFrame:
+    return spark.sql(
+        "SELECT id, concat('c-', id % 3) AS customer, CAST(id AS DECIMAL(10,2)) / 4 AS amount,"
+        " timestamp_seconds(1729989000 + id * 1800) AS at FROM range(0, 40, 1, 3)"
+    )
+
+
+def _writer(df: DataFrame, url: str, queue: str, **options: str) -> Any:
+    writer = (
+        df.write.format("rabbitmq")
+        .mode("append")
+        .option("url", url)
+        .option("routing_key", queue)
+        .option("id_namespace", f"t-{queue}")
+    )
+    for name, value in options.items():
+        writer = writer.option(name, value)
+    return writer
+
+
+def _messages(messages: list[DrainedMessage]) -> set[tuple[str | None, bytes]]:
+    return {(m.message_id, m.body) for m in messages}
+
+
+class TestBatchWrite:
+    """df.write.format("rabbitmq") publishes exactly what publish_dataframe publishes."""
+
+    def test_same_ids_and_bodies_as_publish_dataframe(
+        self, spark: SparkSession, broker_url: str, spark_queue: str
+    ) -> None:
+        """Arrow rows (data source) and pickled rows (publish_dataframe) encode alike."""
+        register_data_source(spark)
+        previous = spark.conf.get("spark.sql.session.timeZone")
+        spark.conf.set("spark.sql.session.timeZone", "Europe/Berlin")
+        try:
+            df = _rows(spark)
+            _writer(df, broker_url, spark_queue, header_columns="customer,at").save()
+            by_format = drain_queue_sync(broker_url, spark_queue)
+            spec = PublishSpec(
+                url=broker_url,
+                routing_key=spark_queue,
+                id_namespace=f"t-{spark_queue}",
+                header_columns=("customer", "at"),
+            )
+            publish_dataframe(df, spec)
+            by_function = drain_queue_sync(broker_url, spark_queue)
+        finally:
+            spark.conf.set("spark.sql.session.timeZone", previous or "UTC")
+        assert len(by_format) == 40
+        assert _messages(by_format) == _messages(by_function)
+        assert {m.headers["at"] for m in by_format} == {m.headers["at"] for m in by_function}
+        assert json.loads(by_format[0].body)["at"].endswith(("+01:00", "+02:00"))
+
+    def test_options_are_checked_on_the_driver(
+        self, spark: SparkSession, broker_url: str, spark_queue: str
+    ) -> None:
+        """Bad options, unsupported types, key ids and overwrite fail before any task."""
+        register_data_source(spark)
+        df = _rows(spark)
+        with pytest.raises(Exception, match="routingkey: unknown option"):
+            _writer(df, broker_url, spark_queue, routingkey="x").save()
+        with pytest.raises(Exception, match="ids: 'key' needs a duplicate-key check"):
+            _writer(df, broker_url, spark_queue, ids="key", key_columns="id").save()
+        with pytest.raises(Exception, match="cannot be overwritten"):
+            _writer(df, broker_url, spark_queue).mode("overwrite").save()
+        with pytest.raises(Exception, match=UnsupportedSchema.__name__):
+            _writer(spark.sql("SELECT INTERVAL '1' DAY AS v"), broker_url, spark_queue).save()
+        with pytest.raises(Exception, match="DestinationNotFound"):
+            _writer(df, broker_url, spark_queue + "-missing").save()
+        assert drain_queue_sync(broker_url, spark_queue, idle_timeout=0.3) == []
+
+    def test_unroutable_is_raised_by_commit_without_task_retries(
+        self, spark: SparkSession, broker_url: str
+    ) -> None:
+        """A deterministic failure travels in the commit message and fails the job once."""
+        register_data_source(spark)
+        df = spark.range(0, 10, 1, 2)
+        writer = _writer(df, broker_url, "no-such-binding", exchange="amq.direct")
+        with pytest.raises(Exception, match="PublishUnroutable") as caught:
+            writer.save()
+        assert "NO_ROUTE" in str(caught.value)
+        assert "without a Spark retry" in str(caught.value)
+
+
+def _wait(predicate: Any, timeout: float, what: str, query: Any) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not within {timeout}s"
+        assert query.exception() is None, query.exception()
+        time.sleep(0.1)
+
+
+class TestStreaming:
+    """writeStream.format("rabbitmq"), and stopping after a batch's confirms (item 9)."""
+
+    def test_stream_writer_puts_the_batch_id_in_headers(
+        self, spark: SparkSession, broker_url: str, spark_queue: str, tmp_path: Path
+    ) -> None:
+        """Rate source into format("rabbitmq"): every row once, each with its batch id."""
+        register_data_source(spark)
+        stream = (
+            spark.readStream.format("rate")
+            .option("rowsPerSecond", 100)
+            .option("numPartitions", 2)
+            .load()
+        )
+        query = (
+            stream.writeStream.format("rabbitmq")
+            .option("url", broker_url)
+            .option("routing_key", spark_queue)
+            .option("id_namespace", f"t-{spark_queue}")
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .trigger(processingTime="1 second")
+            .start()
+        )
+        try:
+            _wait(
+                lambda: query.lastProgress and query.lastProgress["batchId"] >= 2,
+                90,
+                "3 batches",
+                query,
+            )
+        finally:
+            assert stop_after_current_batch(query, timeout=60)
+        messages = drain_queue_sync(broker_url, spark_queue)
+        ids = Counter(m.message_id for m in messages)
+        assert messages and set(ids.values()) == {1}
+        batches = {m.headers[HEADER_BATCH_ID] for m in messages}
+        assert len(batches) >= 2
+        for message in messages:
+            body = json.loads(message.body)
+            assert set(body) == {"timestamp", "value"}
+
+    def test_sink_stop_waits_for_the_batch_in_progress(
+        self, spark: SparkSession, broker_url: str, spark_queue: str, tmp_path: Path
+    ) -> None:
+        """sink.stop(query) returns after the running batch is confirmed; nothing is cut.
+
+        Each batch takes about a second (a slow serializer), and a new one starts as
+        soon as the last ends, so a batch is in progress when stop is called. A plain
+        query.stop() would kill its tasks mid-partition.
+        """
+
+        def slow(row: Any) -> dict[str, Any]:
+            time.sleep(0.002)
+            return {"value": row.value}
+
+        reports: list[PublishReport] = []
+        spec = PublishSpec(
+            url=broker_url,
+            routing_key=spark_queue,
+            id_namespace=f"t-{spark_queue}",
+            serializer=slow,
+        )
+        sink = foreach_batch_sink(spec, on_report=reports.append)
+        stream = (
+            spark.readStream.format("rate")
+            .option("rowsPerSecond", 400)
+            .option("numPartitions", 2)
+            .load()
+        )
+        query = (
+            stream.writeStream.foreachBatch(sink)
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .trigger(processingTime="0 seconds")
+            .start()
+        )
+        try:
+            _wait(lambda: sum(1 for r in reports if r.rows) >= 2, 90, "2 batches", query)
+        finally:
+            assert sink.stop(query, timeout=60)
+        stopped_at = len(reports)
+        assert not query.isActive
+        messages = drain_queue_sync(broker_url, spark_queue)
+        time.sleep(1.0)
+        assert drain_queue_sync(broker_url, spark_queue, idle_timeout=0.3) == []
+        assert len(reports) == stopped_at  # no batch published after stop() returned
+        published = Counter(m.headers[HEADER_BATCH_ID] for m in messages)
+        reported = {r.batch_id: r.rows for r in reports if r.rows}
+        assert dict(published) == reported  # every batch whole: none cut mid-way
