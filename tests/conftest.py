@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import aio_pika
 import pytest
+import structlog
 from prometheus_client import CollectorRegistry
 
 from reliable_mq.testing import TCPProxy
@@ -22,6 +23,15 @@ pytest_plugins = ["tests.support.spark"]  # the shared SparkSession (spark, spar
 
 BROKER_URL = os.environ.get("RELIABLE_MQ_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
 BROKER_PORT = 5672
+
+
+@pytest.fixture(autouse=True)
+def _structlog_left_as_found() -> Iterator[None]:
+    """A test that configures structlog (``capture_logs()`` does) must not leak it."""
+    configured = structlog.is_configured()
+    yield
+    if structlog.is_configured() and not configured:
+        structlog.reset_defaults()
 
 
 @pytest.fixture(scope="session")
