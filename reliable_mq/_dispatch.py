@@ -5,7 +5,12 @@ handler returning, raising anything, cancelling itself, timing out; a
 shutdown; a dead channel) into an [`Outcome`][reliable_mq._settle.Outcome] and
 hands it to the delivery's ticket, which settles it through `Session.apply`.
 No path leaves a delivery unsettled: every exception is caught and becomes an
-outcome, and a bug of ours is settled by the error path.
+outcome, and a bug of ours is settled by the error path. ``KeyboardInterrupt``
+and ``SystemExit`` from a handler count as a failed attempt too (retried, or
+dead-lettered after ``max_attempts``, so a handler that always exits cannot
+crash-loop its process); the consumer takes no new work, the channel is
+closed, so the broker has the settle before the exception ends the event
+loop, and the exception goes on.
 
 Cancellation is told apart by who asked for it: the watchdog flags the ticket
 (`Ticket.timed_out`) before it cancels; a shutdown sets `Shared.stopping`; a
@@ -33,6 +38,11 @@ from .handlers import Reject, Retry
 from .headers import ATTEMPT_HEADER, DELIVERY_COUNT_HEADER, NO_CONTENT_TYPE_HEADER
 
 __all__ = ("Dispatcher", "int_header")
+
+_EXITS = (KeyboardInterrupt, SystemExit)
+"""The only exceptions asyncio lets out of the event loop: a handler raising one
+ends the process. Any other exception from a handler (``GeneratorExit``, a
+``BaseException`` subclass of its own) is a handler error like any other."""
 
 
 class Dispatcher:
@@ -71,9 +81,15 @@ class Dispatcher:
             delivery_log(delivery).error("consumer_failed", error=repr(exc), exc_info=exc)
             if not ticket.settled:
                 await ticket.settle(Cause(Outcome.RAISED, exc))
-        except BaseException:  # SystemExit, KeyboardInterrupt from a handler: give it back
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: the process is to exit
+            # No new handler runs: later deliveries are given back unhandled, and
+            # handlers the loop's end cancels are requeued, not failed.
+            shared.stopping = True
             if not ticket.settled:
-                await ticket.settle(Cause(Outcome.SHUTDOWN))
+                # A failed attempt, not a requeue: a handler that always exits
+                # must not crash-loop its process for good (max_attempts: the DLQ).
+                await ticket.settle(Cause(Outcome.RAISED, exc))
+            await session.close_now()  # the settle reaches the broker before the loop ends
             raise
         finally:
             session.forget(ticket)
@@ -141,7 +157,9 @@ class Dispatcher:
                 body = spec.decode(delivery.body, delivery.content_type)
             except MemoryError as exc:  # not the body's fault, maybe: retry
                 return Cause(Outcome.RAISED, exc)
-            except Exception as exc:  # BodyDecodeError, a validator's KeyError, RecursionError...
+            except _EXITS:
+                raise
+            except BaseException as exc:  # BodyDecodeError, a validator's KeyError...
                 return Cause(Outcome.INVALID_BODY, exc)
         await ticket.settle(Cause(Outcome.ACCEPTED))  # ACK_FIRST acks here; others hold
         if ticket.settled and ticket.outcome is not Settle.ACK:
@@ -174,7 +192,9 @@ class Dispatcher:
             return Cause(Outcome.REJECT_SIGNAL, exc, exc.reason)
         except AlreadyProcessed as exc:
             return Cause(Outcome.ALREADY_PROCESSED, exc)
-        except Exception as exc:  # RecursionError and MemoryError included
+        except _EXITS:
+            raise  # the process is to exit: on_message settles the delivery on the way out
+        except BaseException as exc:  # any Exception, GeneratorExit, a BaseException of its own
             return Cause(Outcome.RAISED, exc)
         finally:
             metrics.in_progress.dec()

@@ -205,6 +205,19 @@ class Frames:
             return
         await self._settle_single("nack_requeue" if requeue else "nack_drop", tag)
 
+    async def close_now(self) -> None:
+        """Send the batched acks, then close the channel and wait for the broker's answer.
+
+        Every frame written before is then settled on the broker (the process is
+        about to exit); the deliveries still unsettled are requeued by it.
+        """
+        if not self.dead():
+            with contextlib.suppress(*AMQP_ERRORS, TimeoutError):
+                async with asyncio.timeout(5):
+                    await self.final_flush()
+        self.alive = False
+        await self._close_quietly()
+
     def abort(self) -> None:
         """Close the channel now: the broker requeues every delivery still unacked."""
         self.alive = False

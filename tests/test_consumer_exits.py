@@ -1,0 +1,172 @@
+"""BaseExceptions from a handler, against the real broker (found by the consumer fuzz tier).
+
+* ``GeneratorExit``, or a ``BaseException`` subclass of the handler's own, is a
+  handler error like any other: retried, then the DLQ naming it. (It used to be
+  requeued at once, forever: a hot loop on one message.)
+* ``KeyboardInterrupt`` and ``SystemExit`` end the process: asyncio lets only
+  these two out of the event loop. The delivery counts as a failed attempt
+  first, and reaches the broker before the process ends, so a handler that
+  always exits (``argparse`` on message data, say) stops crash-looping its
+  process after ``max_attempts`` restarts: the message is then in the DLQ.
+  (It used to be requeued, unchanged: the process crashed on it for good.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, field_validator
+
+from reliable_mq.delivery import Delivery
+from reliable_mq.headers import ATTEMPTS_HEADER, ERROR_TYPE_HEADER, REASON_HEADER
+from tests.test_consumer_broker import URL, Env, _env, drain, wait_until  # noqa: F401 (_env: fixture)
+
+pytestmark = pytest.mark.rabbitmq
+
+FAST = {"prefetch": 1, "retry_delays": (0.05,), "max_attempts": 2, "handler_timeout": 30.0}
+
+
+class Halt(BaseException):
+    """A BaseException of the handler's own: neither an exit nor a cancel."""
+
+
+class Closing(BaseModel):
+    n: int
+
+    @field_validator("n")
+    @classmethod
+    def _check(cls, value: int) -> int:
+        if value == 0:
+            raise GeneratorExit  # pydantic lets a BaseException through
+        return value
+
+
+class TestNotAnExit:
+    @pytest.mark.parametrize("error", [GeneratorExit, Halt])
+    async def test_handler_base_exception_is_a_handler_error(
+        self, env: Env, error: type[BaseException]
+    ) -> None:
+        """GeneratorExit or a custom BaseException: retried, then the DLQ; never a hot loop."""
+        consumer = env.consumer(**FAST)
+        attempts: list[int] = []
+        handled: list[str] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            if delivery.message_id == "bad":
+                attempts.append(delivery.attempt)
+                raise error()
+            handled.append(delivery.message_id)
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"x", b"y"], ids=["bad", "good"])
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(lambda: handled == ["good"], 10, "the good message")
+            await wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            stats = consumer.stats()
+        assert attempts == [1, 2]
+        assert (stats.requeued, stats.retried, stats.channel_reopens) == (0, 1, 0)
+        dead = {m.message_id: dict(m.headers) for m in await drain(f"{env.queue}.dlq")}
+        assert dead["bad"][REASON_HEADER] == "max_attempts"
+        assert dead["bad"][ERROR_TYPE_HEADER] == error.__name__
+        assert await drain(env.queue) == []
+
+    async def test_validator_raising_generator_exit_is_an_invalid_body(self, env: Env) -> None:
+        """A validator raising a BaseException: the DLQ as invalid_body, the handler never runs."""
+        consumer = env.consumer(**FAST)
+        handled: list[int] = []
+
+        @consumer.handler(env.queue)
+        async def handler(body: Closing) -> None:
+            handled.append(body.n)
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([{"n": 0}, {"n": 1}], ids=["bad", "good"])
+            await wait_until(lambda: handled == [1], 10, "the good message")
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+        dead = {m.message_id: dict(m.headers) for m in await drain(f"{env.queue}.dlq")}
+        assert dead["bad"][REASON_HEADER] == "invalid_body"
+        assert dead["bad"][ERROR_TYPE_HEADER] == "GeneratorExit"
+
+
+_SCRIPT = """
+import asyncio, sys
+from pydantic import SecretStr
+from reliable_mq import ConnectionSettings
+from reliable_mq.consumer import ReliableConsumer
+from reliable_mq.delivery import Delivery
+
+url, queue, out, kind = sys.argv[1:5]
+consumer = ReliableConsumer(
+    ConnectionSettings(url=SecretStr(url), connection_name="test-exits"),
+    prefetch=1, max_attempts=2, retry_delays=(0.05,), shutdown_grace=5,
+)
+
+@consumer.handler(queue)
+async def handler(delivery: Delivery) -> None:
+    with open(out, "a") as f:
+        f.write(f"{delivery.message_id} {delivery.attempt}\\n")
+    if delivery.message_id == "bad":
+        raise SystemExit(3) if kind == "exit" else KeyboardInterrupt()
+
+asyncio.run(consumer.run())
+"""
+
+
+class TestExit:
+    @pytest.mark.parametrize("kind", ["exit", "interrupt"])
+    async def test_exit_counts_an_attempt_and_ends_the_process(
+        self, env: Env, tmp_path: Path, kind: str
+    ) -> None:
+        """SystemExit/KeyboardInterrupt: the process exits each time, the delivery is a
+        failed attempt; after max_attempts (2) it is in the DLQ and the crash loop is over."""
+        out = tmp_path / "runs.txt"
+        script = tmp_path / "consume.py"
+        script.write_text(textwrap.dedent(_SCRIPT))
+        probe = env.consumer(**FAST)  # the topology's names, and its cleanup
+
+        @probe.handler(env.queue)
+        async def unused(delivery: Delivery) -> None: ...
+
+        env.track(probe)
+        async with probe:  # declares the topology the script uses
+            pass
+        await env.publish([b"x", b"1", b"2", b"3"], ids=["bad", "g1", "g2", "g3"])
+        codes: list[int | None] = []
+        errors: list[str] = []
+        for _ in range(2):
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(script),
+                URL,
+                env.queue,
+                str(out),
+                kind,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            _, stderr = await asyncio.wait_for(process.communicate(), 30)
+            codes.append(process.returncode)
+            errors.append(stderr.decode(errors="replace")[-3000:])
+        expected = 3 if kind == "exit" else -signal.SIGINT
+        assert codes == [expected, expected], errors
+        runs = out.read_text().split()
+        pairs = list(zip(runs[::2], runs[1::2], strict=True))
+        assert [a for m, a in pairs if m == "bad"] == ["1", "2"]  # one attempt per process
+        assert sorted(m for m, _ in pairs if m != "bad") == ["g1", "g2", "g3"]  # each once
+        dead = {m.message_id: dict(m.headers) for m in await drain(f"{env.queue}.dlq")}
+        assert list(dead) == ["bad"]
+        assert dead["bad"][REASON_HEADER] == "max_attempts"
+        assert dead["bad"][ERROR_TYPE_HEADER] == (
+            "SystemExit" if kind == "exit" else "KeyboardInterrupt"
+        )
+        assert dead["bad"][ATTEMPTS_HEADER] == 2
+        assert await drain(env.queue) == []
+        assert await drain(f"{env.queue}.retry.0.05s") == []
