@@ -34,7 +34,7 @@ from .headers import (
 )
 from .topology import QueueTopology
 
-__all__ = ("Copy", "build_copy", "truncate")
+__all__ = ("Copy", "build_copy", "text_of", "truncate")
 
 TEXT_LIMIT = 1000
 """Longest text header we write (error messages, dropped header names)."""
@@ -95,11 +95,24 @@ def _base_headers(delivery: Delivery, *, trimmed: bool) -> dict[str, Any]:
     return headers
 
 
+def text_of(value: object) -> str:
+    """``str(value)``, or a placeholder when it cannot be turned into text (a handler's
+    exception, or a ``Reject`` reason, whose ``__str__`` raises or returns a non-string)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return str(value)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        return f"<{type(value).__name__}: str() failed>"
+
+
 def _error_line(cause: Cause) -> str:
     error = cause.error
     if error is not None:
-        return f"{type(error).__name__}: {error}"
-    return cause.note or cause.outcome.value
+        return f"{type(error).__name__}: {text_of(error)}"
+    return text_of(cause.note) or cause.outcome.value
 
 
 def build_copy(
@@ -135,9 +148,10 @@ def build_copy(
         queue, delay = topology.dead_letter_queue, None
         reason = str(decision.reason or cause.outcome.value)
         error = cause.error
-        message = str(error) if error is not None else ""
-        if cause.note and cause.note != message:
-            message = f"{cause.note}: {message}" if message else cause.note
+        message = text_of(error) if error is not None else ""
+        note = text_of(cause.note)
+        if note and note != message:
+            message = f"{note}: {message}" if message else note
         headers[REASON_HEADER] = reason
         headers[ERROR_TYPE_HEADER] = type(error).__name__ if error is not None else reason
         headers[ERROR_MESSAGE_HEADER] = truncate(message or reason)

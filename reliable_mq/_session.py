@@ -250,16 +250,24 @@ class Session(Frames):
         purpose = decision.settle
         rung = Rung.FULL_COPY
         while rung in (Rung.FULL_COPY, Rung.TRIMMED_COPY):
-            copy = build_copy(
-                delivery,
-                route.topology,
-                self.shared.settings.retry_delays[0],
-                decision,
-                cause,
-                trimmed=rung is Rung.TRIMMED_COPY,
-            )
-            fault, error = await self._publish(delivery, copy)
+            copy: Copy | None = None
+            fault: CopyFault | None
+            trimmed = rung is Rung.TRIMMED_COPY
+            try:
+                copy = build_copy(
+                    delivery,
+                    route.topology,
+                    self.shared.settings.retry_delays[0],
+                    decision,
+                    cause,
+                    trimmed=trimmed,
+                )
+            except Exception as exc:  # a copy that cannot even be built walks the ladder too
+                fault, error = CopyFault.INVALID, repr(exc)[:500]
+            else:
+                fault, error = await self._publish(delivery, copy)
             if fault is None:
+                assert copy is not None
                 route.copy_published()
                 self._copied(delivery, decision, copy)
                 await self.ack_now(ticket.tag)
@@ -279,8 +287,8 @@ class Session(Frames):
             delivery_log(delivery).error(
                 "copy_not_published",
                 purpose=purpose,
-                target=copy.queue,
-                trimmed=copy.trimmed,
+                target=copy.queue if copy else None,
+                trimmed=trimmed,
                 fault=fault,
                 error=error,
                 next=rung,

@@ -80,9 +80,15 @@ class Retry(Exception):
         reason: recorded in the logs and, if attempts run out, in the DLQ headers.
         delay: seconds; overrides the configured delay for this attempt (rounded
             to the nearest declared retry queue).
+
+    Raises:
+        TypeError: ``delay`` is not a number (the handler then fails with it,
+            and is retried as for any error).
     """
 
     def __init__(self, reason: str = "retry requested", *, delay: float | None = None) -> None:
+        if delay is not None and (isinstance(delay, bool) or not isinstance(delay, (int, float))):
+            raise TypeError(f"Retry delay must be a number of seconds, not {delay!r:.50}")
         super().__init__(reason)
         self.reason = reason
         self.delay = delay

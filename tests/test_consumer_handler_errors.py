@@ -1,4 +1,4 @@
-"""BaseExceptions from a handler, against the real broker (found by the consumer fuzz tier).
+"""Hostile exceptions from a handler, against the real broker (found by the consumer fuzz tier).
 
 * ``GeneratorExit``, or a ``BaseException`` subclass of the handler's own, is a
   handler error like any other: retried, then the DLQ naming it. (It used to be
@@ -9,6 +9,13 @@
   always exits (``argparse`` on message data, say) stops crash-looping its
   process after ``max_attempts`` restarts: the message is then in the DLQ.
   (It used to be requeued, unchanged: the process crashed on it for good.)
+* An exception (or a ``Reject`` reason) whose ``__str__`` raises is retried and
+  dead-lettered like any other, with a placeholder for its text. (Building the
+  copy raised, the settle took the "bug of ours" path, and the delivery was
+  requeued at the same attempt, forever.) A copy that cannot be built at all
+  walks the fallback ladder like one that cannot be published.
+* ``Retry(delay=...)`` with a delay that is not a number raises ``TypeError``
+  in the handler (it used to break the copy, the same loop).
 """
 
 from __future__ import annotations
@@ -22,8 +29,15 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, field_validator
 
+from reliable_mq import _session
 from reliable_mq.delivery import Delivery
-from reliable_mq.headers import ATTEMPTS_HEADER, ERROR_TYPE_HEADER, REASON_HEADER
+from reliable_mq.handlers import Reject, Retry
+from reliable_mq.headers import (
+    ATTEMPTS_HEADER,
+    ERROR_MESSAGE_HEADER,
+    ERROR_TYPE_HEADER,
+    REASON_HEADER,
+)
 from tests.test_consumer_broker import URL, Env, _env, drain, wait_until  # noqa: F401 (_env: fixture)
 
 pytestmark = pytest.mark.rabbitmq
@@ -94,6 +108,108 @@ class TestNotAnExit:
         dead = {m.message_id: dict(m.headers) for m in await drain(f"{env.queue}.dlq")}
         assert dead["bad"][REASON_HEADER] == "invalid_body"
         assert dead["bad"][ERROR_TYPE_HEADER] == "GeneratorExit"
+
+
+class BadStr(Exception):
+    """An exception that cannot be turned into text."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+class TestUndescribable:
+    async def test_exception_whose_str_raises_is_retried_then_dead_lettered(self, env: Env) -> None:
+        """str(error) raises: retried, then the DLQ with a placeholder text; never a loop."""
+        consumer = env.consumer(**FAST)
+        attempts: list[int] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            attempts.append(delivery.attempt)
+            raise BadStr
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"x"], ids=["bad"])
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            stats = consumer.stats()
+        assert attempts == [1, 2]
+        assert (stats.retried, stats.requeued, stats.fallbacks) == (1, 0, 0)
+        dead = {m.message_id: dict(m.headers) for m in await drain(f"{env.queue}.dlq")}
+        assert dead["bad"][REASON_HEADER] == "max_attempts"
+        assert dead["bad"][ERROR_TYPE_HEADER] == "BadStr"
+        assert dead["bad"][ERROR_MESSAGE_HEADER] == "<BadStr: str() failed>"
+
+    async def test_reject_reason_whose_str_raises(self, env: Env) -> None:
+        """Reject(reason) with a reason that cannot be shown: our DLQ copy, reason headers."""
+        consumer = env.consumer(**FAST)
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            raise Reject(BadStr())  # type: ignore[arg-type]
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"x"], ids=["bad"])
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+        dead = {m.message_id: dict(m.headers) for m in await drain(f"{env.queue}.dlq")}
+        assert dead["bad"][REASON_HEADER] == "rejected"
+        assert dead["bad"][ERROR_TYPE_HEADER] == "Reject"
+
+    def test_retry_delay_must_be_a_number(self) -> None:
+        """Retry(delay="soon") is refused where it is raised, naming the delay."""
+        with pytest.raises(TypeError, match="soon"):
+            Retry("x", delay="soon")  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            Retry("x", delay=True)
+        assert Retry("x", delay=0).delay == 0
+
+    async def test_a_retry_with_a_text_delay_is_a_handler_error(self, env: Env) -> None:
+        """delivery.retry(delay="soon") raises TypeError in the handler: retried, then the DLQ."""
+        consumer = env.consumer(**FAST)
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            await delivery.retry(delay="soon")  # type: ignore[arg-type]
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"x"], ids=["bad"])
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            stats = consumer.stats()
+        assert (stats.retried, stats.requeued) == (1, 0)
+        dead = {m.message_id: dict(m.headers) for m in await drain(f"{env.queue}.dlq")}
+        assert dead["bad"][ERROR_TYPE_HEADER] == "TypeError"
+
+    async def test_a_copy_that_cannot_be_built_walks_the_ladder(
+        self, env: Env, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """build_copy raising (a bug of ours, injected): the broker dead-letters it; no loop."""
+
+        def broken(*args: object, **kwargs: object) -> object:
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(_session, "build_copy", broken)
+        consumer = env.consumer(**FAST)
+        runs: list[int] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            runs.append(delivery.attempt)
+            raise ValueError("retry me")
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"x"], ids=["bad"])
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            stats = consumer.stats()
+        assert runs == [1]
+        assert (stats.fallbacks, stats.requeued) == (2, 0)  # full copy, trimmed copy, broker
+        dead = await drain(f"{env.queue}.dlq")
+        assert [m.message_id for m in dead] == ["bad"]
+        assert dead[0].headers["x-first-death-reason"] == "rejected"
 
 
 _SCRIPT = """
