@@ -106,9 +106,7 @@ class Act(enum.StrEnum):
     RETRY_THEN_RETURN = "retry_then_return"  # delivery.retry(), return
     REJECT_THEN_NACK = "reject_then_nack"  # delivery.reject(), delivery.nack()
     NACK_DROP = "nack_drop"  # delivery.nack(requeue=False): the broker dead-letters it
-    NACK_THEN = (
-        "nack_then"  # first delivery of the attempt: nack(requeue=True); redelivered: `then`
-    )
+    NACK_THEN = "nack_then"  # 1st delivery of an attempt: nack(requeue=True); redelivered: `then`
 
 
 # Errors a handler raises: name -> the type name the DLQ headers must show.
@@ -261,12 +259,12 @@ _REJECTS = frozenset({Act.REJECT, Act.REJECT_THEN_NACK})
 
 
 def outcome_of(action: Action, policy: AckPolicy) -> str:
-    """What one handler run asks for: ack, retry, dlq or drop."""
+    """What one handler run asks for: ack, retry, dlq, drop or requeue."""
     return _outcome(action, policy)[0]
 
 
 def _outcome(action: Action, policy: AckPolicy) -> tuple[str, str, str]:
-    """(what, dlq reason, error type) of one handler run; what: ack/retry/dlq/drop."""
+    """(what, dlq reason, error type) of one handler run (what: see `outcome_of`)."""
     kind = action.kind
     on_error = policy is AckPolicy.DEAD_LETTER_ON_ERROR
     if kind in _ACKS:
@@ -283,6 +281,8 @@ def _outcome(action: Action, policy: AckPolicy) -> tuple[str, str, str]:
         return "dlq", DeadLetterReason.REJECTED, "Reject"
     if kind is Act.NACK_DROP:
         return "drop", "", ""
+    if kind is Act.NACK_THEN:  # the run that nacked with requeue (its redelivery runs `then`)
+        return "requeue", "", ""
     if kind in (Act.SLEEP, Act.SLEEP_SWALLOW):
         if on_error:
             return "dlq", DeadLetterReason.HANDLER_TIMEOUT, "TimeoutError"

@@ -48,7 +48,7 @@ from typing import Any
 
 import aio_pika
 import pytest
-from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, SecretStr, field_validator
@@ -278,10 +278,12 @@ def actions(draw: st.DrawFn, *, nack: bool = True) -> Action:
     return Action(kind)
 
 
-_attempt_headers = st.sampled_from(
-    [-5, 0, "abc", "3", "2", 2**62, bytearray(b"2"), 2.0, True, {"nested": 1}, "", -(2**63)]
-)
-_delivery_counts = st.sampled_from([-1, "x", 10**9, 5, 0, bytearray(b"\x00")])
+_attempt_values: list[Any] = [
+    -5, 0, "abc", "3", "2", 2**62, bytearray(b"2"), 2.0, True, {"nested": 1}, "", -(2**63)
+]  # fmt: skip
+_delivery_count_values: list[Any] = [-1, "x", 10**9, 5, 0, bytearray(b"\x00")]
+_attempt_headers = st.sampled_from(_attempt_values)
+_delivery_counts = st.sampled_from(_delivery_count_values)
 _content_types = st.sampled_from(
     [None] * 3 + ["application/json"] * 3 + ["text/plain", "APPLICATION/JSON; x=1"]
 )
@@ -810,6 +812,7 @@ class Verdict:
                     self.fail(f"a retry queue holds something that is not our next copy: {tag}")
                 continue
             self.fail(f"wrong end: {tag}")
+        self._effects()
         self._stats(predictions, skipped, faults)
         self._dlq_headers()
         if handler.aliens or outcome.strays:
@@ -834,6 +837,23 @@ class Verdict:
             if end.end is End.SKIPPED and config.dedup:
                 continue  # handled before the cut, then redelivered and skipped
             self.fail(f"wrong end after a fault: {tag}")
+
+    def _effects(self) -> None:
+        """De-duplication: at most one handler run per message id had its effect acked."""
+        config = self.run.config
+        if not config.dedup:
+            return
+        effects: collections.Counter[str] = collections.Counter()
+        for message in self.run.batch:
+            if not message.message_id:
+                continue
+            for run in self.handler.seen.get(message.key, []):
+                acked = config.policy is AckPolicy.ACK_FIRST
+                if acked or outcome_of(run.action, config.policy) == "ack":
+                    effects[message.message_id] += 1
+        twice = {mid: n for mid, n in effects.items() if n > 1}
+        if twice:
+            self.fail(f"effects applied more than once under dedup: {twice}")
 
     def _settles(self, message: MessageSpec, seen: list[Seen]) -> None:
         """A manual settle returns True once (never under ACK_FIRST), then False."""
@@ -961,10 +981,95 @@ def _dry(run: Run) -> bool:
     for message in run.batch:
         terminal = predict(message, config).terminal
         DRY[f"end={terminal.end.value}:{terminal.reason}"] += 1
-        for action in message.script:
-            DRY[f"action={(action.then or action).kind.value}"] += 1
+        prediction = predict(message, config)
+        first = initial_attempt(message.headers)
+        for attempt in sorted(set(prediction.runs)):  # the steps a run reaches
+            action = message.script[min(attempt - first, len(message.script) - 1)]
+            DRY[f"reached={action.then or action!r}"] += 1
     print("\n".join(f"{k}: {v}" for k, v in sorted(DRY.items())), end="\n\n")  # noqa: T201
     return True
+
+
+def catalogue(policy: AckPolicy) -> Run:
+    """Every error, action (with each hostile argument), body and hostile header, once.
+
+    Run as an explicit example for each policy, so that CI always covers the
+    whole catalogue whatever the seeded draws reach.
+    """
+    config = Config(
+        policy=policy,
+        annotation=Annotation.MODEL,
+        prefetch=8,
+        concurrency=None,
+        batch_ack=True,
+        ack_batch_size=3,
+        dedup=True,
+        max_attempts=2,
+        retry_delays=(0.05,),
+        handler_timeout=0.3,
+    )
+    item = json_body({"n": 1, "tags": ["a"]})
+    scripts: list[list[Action]] = [[Action(Act.RAISE, error=e), Action(Act.RETURN)] for e in ERRORS]
+    scripts += [[Action(Act.ACK_THEN_RAISE, error=e)] for e in ("CancelledError", "BadRepr")]
+    scripts += [[Action(Act.RETRY, arg=a), Action(Act.RETURN)] for a in RETRY_DELAYS]
+    scripts += [[Action(Act.RETRY_THEN_RETURN, arg=a)] for a in RETRY_DELAYS]
+    scripts += [[Action(Act.REJECT, arg=a)] for a in REJECT_REASONS]
+    scripts += [[Action(Act.REJECT_THEN_NACK, arg=a)] for a in REJECT_REASONS]
+    scripts += [
+        [Action(kind)]
+        for kind in (
+            Act.RETURN,
+            Act.SLEEP,
+            Act.SLEEP_SWALLOW,
+            Act.ACK,
+            Act.ACK_TWICE,
+            Act.ACK_THEN_SLEEP,
+            Act.NACK_DROP,
+        )
+    ]
+    scripts.append([Action(Act.NACK_THEN, then=Action(Act.RETURN))])
+    batch: list[MessageSpec] = []
+
+    def add(script: list[Action], **fields: Any) -> None:
+        index = len(batch)
+        message = MessageSpec(
+            key=f"k{index}",
+            body_kind=fields.pop("body_kind", BodyKind.ITEM),
+            body=fields.pop("body", item),
+            content_type=fields.pop("content_type", "application/json"),
+            message_id=fields.pop("message_id", f"c{index}-{uuid.uuid4().hex[:8]}"),
+            headers=fields.pop("headers", {}),
+            script=script,
+        )
+        batch.append(message)
+
+    for script in scripts:
+        add(script)
+    samples = {
+        BodyKind.ITEM13: json_body({"n": 13}),
+        BodyKind.OBJECT: json_body({"k": [1, {"x": None}]}),
+        BodyKind.ARRAY: json_body([1, "two", 3.0]),
+        BodyKind.BAD_JSON: b"{not json",
+        BodyKind.NON_UTF8: b"\x80\xfe\x81\xff\x00",
+        BodyKind.DEEP: _DEEP,
+        BodyKind.EMPTY: b"",
+        BodyKind.HUGE: json_body({"n": 1, "pad": "x" * (COPY_LIMIT + 40_000)}),
+    }
+    for kind, body in samples.items():
+        add([Action(Act.RAISE, error="ValueError"), Action(Act.RETURN)], body_kind=kind, body=body)
+    add([Action(Act.RETURN)], content_type="text/plain")
+    add([Action(Act.RETURN)], content_type=None)
+    for value in _attempt_values:
+        add([Action(Act.RETRY), Action(Act.RETURN)], headers={ATTEMPT_HEADER: value})
+    for value in _delivery_count_values:
+        add([Action(Act.RETRY), Action(Act.RETURN)], headers={DELIVERY_COUNT_HEADER: value})
+    add([Action(Act.REJECT)], headers={REASON_HEADER: "forged", QUEUE_HEADER: "elsewhere"})
+    add([Action(Act.RAISE, error="HugeText")], headers={"big": "b" * 130_000})
+    add([Action(Act.RETURN)], message_id=None)
+    add([Action(Act.RETURN)], message_id="")
+    add([Action(Act.RAISE, error="KeyError"), Action(Act.RETURN)], message_id="twin")
+    add([Action(Act.RETURN)], message_id="twin")
+    return Run(config, batch)
 
 
 SEEDS: dict[AckPolicy | None, int] = {
@@ -985,6 +1090,7 @@ class TestFuzzConsumer:
         """
 
         @_fuzz(int(os.environ.get("FUZZ_CONSUMER_EXAMPLES", "4")), SEEDS[policy])
+        @example(run=catalogue(policy))
         @given(run=runs(policy))
         def one(run: Run) -> None:
             if _dry(run):
