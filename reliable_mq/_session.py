@@ -67,10 +67,22 @@ class Ticket:
         delivery: the delivery (set right after the ticket is made).
         claim: the dedup claim held for it, until the settle completes or releases it.
         timed_out: the watchdog cancelled its handler.
+        settling: a settle is being carried out; the watchdog waits for its end
+            (a copy the handler asked for is not cut off half-way by its deadline).
         deadline: when the handler times out (``perf_counter`` seconds).
     """
 
-    __slots__ = ("_outcome", "claim", "deadline", "delivery", "session", "tag", "task", "timed_out")
+    __slots__ = (
+        "_outcome",
+        "claim",
+        "deadline",
+        "delivery",
+        "session",
+        "settling",
+        "tag",
+        "task",
+        "timed_out",
+    )
 
     def __init__(self, session: Session, tag: int, task: asyncio.Task[Any] | None) -> None:
         self.session = session
@@ -81,6 +93,7 @@ class Ticket:
         self.timed_out = False
         self.deadline = 0.0
         self._outcome: Settle | None = None
+        self.settling = False
 
     @property
     def outcome(self) -> Settle | None:
@@ -144,8 +157,18 @@ class Session(Frames):
         self.running.pop(ticket.tag, None)
 
     def expire_overdue(self, now: float) -> None:
-        """Cancel every watched handler past its deadline (flagged as timed out first)."""
-        for ticket in [t for t in self.running.values() if now >= t.deadline and not t.timed_out]:
+        """Cancel every watched handler past its deadline (flagged as timed out first).
+
+        A handler carrying out a settle it asked for (``delivery.retry()``
+        publishing its copy, say) is left to finish it; it is cancelled at a
+        later tick if it still runs then.
+        """
+        overdue = [
+            t
+            for t in self.running.values()
+            if now >= t.deadline and not t.timed_out and not t.settling
+        ]
+        for ticket in overdue:
             ticket.timed_out = True
             if ticket.task is not None:
                 ticket.task.cancel()
@@ -184,6 +207,7 @@ class Session(Frames):
                 )
             return False
         ticket._outcome = decision.settle  # reserved: nothing else settles this delivery
+        ticket.settling = True  # the handler's deadline waits for the end of the settle
         try:
             final = await self._carry_out(ticket, decision, cause)
         except asyncio.CancelledError:
@@ -193,6 +217,8 @@ class Session(Frames):
         except Exception as exc:  # a bug of ours: the delivery must still end settled
             delivery_log(delivery).error("settle_failed", error=repr(exc), exc_info=exc)
             final = await self._last_resort(ticket)
+        finally:
+            ticket.settling = False
         ticket._outcome = final
         return True
 

@@ -16,6 +16,10 @@
   walks the fallback ladder like one that cannot be published.
 * ``Retry(delay=...)`` with a delay that is not a number raises ``TypeError``
   in the handler (it used to break the copy, the same loop).
+* ``handler_timeout`` does not cut a settle the handler asked for
+  (``delivery.retry()`` publishing its copy on a slow link): the watchdog used to
+  cancel it half-way, so the original was requeued next to its copy, the
+  attempt ran twice and ``stats()`` counted no retry.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, SecretStr, field_validator
 
-from reliable_mq import _session
+from reliable_mq import ConnectionSettings, _session
+from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery
 from reliable_mq.handlers import Reject, Retry
 from reliable_mq.headers import (
@@ -38,6 +43,8 @@ from reliable_mq.headers import (
     ERROR_TYPE_HEADER,
     REASON_HEADER,
 )
+from reliable_mq.testing import TCPProxy
+from tests.conftest import proxied_url
 from tests.test_consumer_broker import URL, Env, _env, drain, wait_until  # noqa: F401 (_env: fixture)
 
 pytestmark = pytest.mark.rabbitmq
@@ -210,6 +217,50 @@ class TestUndescribable:
         dead = await drain(f"{env.queue}.dlq")
         assert [m.message_id for m in dead] == ["bad"]
         assert dead[0].headers["x-first-death-reason"] == "rejected"
+
+
+class TestDeadlineDuringSettle:
+    async def test_the_deadline_waits_for_a_settle_the_handler_asked_for(
+        self, env: Env, proxy: TCPProxy
+    ) -> None:
+        """delivery.retry() on a stalled link past handler_timeout: one copy, the original
+        acked; the handler, still running afterwards, is cancelled at a later tick."""
+        consumer = ReliableConsumer(
+            ConnectionSettings(url=SecretStr(proxied_url(proxy)), connection_name=env.queue),
+            registry=env.registry,
+            prefetch=1,
+            retry_delays=(0.05,),
+            max_attempts=3,
+            handler_timeout=0.3,
+        )
+        runs: list[int] = []
+        returned: list[bool] = []
+        cancelled: list[int] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            runs.append(delivery.attempt)
+            if delivery.attempt > 1:
+                return
+            proxy.set_stall(True)  # the copy's confirm cannot come back before the deadline
+            asyncio.get_running_loop().call_later(0.8, proxy.set_stall, False)
+            returned.append(await delivery.retry("slow link"))
+            try:
+                await asyncio.sleep(30)  # past the deadline
+            except asyncio.CancelledError:
+                cancelled.append(delivery.attempt)
+                raise
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"x"], ids=["slow"])
+            await wait_until(lambda: runs == [1, 2], 10, "the retry copy handled")
+            await wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            stats = consumer.stats()
+        assert returned == [True]
+        assert cancelled == [1]
+        assert (stats.retried, stats.requeued, stats.duplicates, stats.acked) == (1, 0, 0, 1)
+        assert await drain(env.queue) == []
 
 
 _SCRIPT = """
