@@ -43,6 +43,7 @@ import math
 import os
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -764,7 +765,7 @@ class Verdict:
         run, handler, outcome = self.run, self.handler, self.outcome
         config = run.config
         cut_short = config.stop_early is not None
-        id_counts = collections.Counter(m.message_id for m in run.batch if m.message_id)
+        id_counts = collections.Counter(m.message_id or "" for m in run.batch if m.message_id)
         predictions = {m.key: predict(m, config) for m in run.batch}
         handled_ids: set[str] = set()
         skipped = 0
@@ -779,9 +780,7 @@ class Verdict:
             found = outcome.found.get(message.key, [])
             ends = _observed(message, seen, found, config)
             attempts = [s.attempt for s in seen]
-            grouped = (
-                config.dedup and bool(message.message_id) and id_counts[message.message_id] > 1
-            )
+            grouped = config.dedup and id_counts[message.message_id or ""] > 1
             tag = f"{message!r}\n    predicted {prediction.terminal} runs {prediction.runs}"
             tag += f"\n    got {ends} runs {attempts}"
             self._settles(message, seen)
@@ -937,22 +936,26 @@ RANDOM = bool(os.environ.get("FUZZ_RANDOM"))
 """CI runs a fixed set of examples; ``FUZZ_RANDOM=1`` explores new ones."""
 
 
-def _fuzz(examples: int, fixed_seed: int) -> Any:
+Test = Callable[..., None]
+
+
+def _fuzz(examples: int, fixed_seed: int) -> Callable[[Test], Test]:
     """Hypothesis settings of this tier, and (unless FUZZ_RANDOM) a fixed seed.
 
     A seed per test rather than ``derandomize``: ``derandomize`` seeds from the
     test function, which would give every policy the same draws.
     """
+    fixed: dict[str, Any] = {} if RANDOM else {"database": None}
     configured = settings(
         max_examples=examples,
         deadline=None,
-        database=None if not RANDOM else settings.default.database,
         phases=[Phase.explicit, Phase.reuse, Phase.generate],  # no shrinking: a run is big
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         print_blob=True,
+        **fixed,
     )
 
-    def apply(test: Any) -> Any:
+    def apply(test: Test) -> Test:
         return configured(test if RANDOM else seed(fixed_seed)(test))
 
     return apply
