@@ -76,6 +76,9 @@ __all__ = (
     "ReliableConsumer",
 )
 
+_METRICS_INTERVAL = 0.5
+"""Seconds between two additions of the per-delivery counts to Prometheus."""
+
 
 class ConsumerStats(NamedTuple):
     """Counters of one consumer since it started (cheap to read)."""
@@ -170,7 +173,7 @@ class ReliableConsumer(Router):
         self._metrics = Metrics.on(registry, metrics_prefix)
         self._supervisor = ConnectionSupervisor(connection, role="consumer", metrics=self._metrics)
         self._keeper = ChannelKeeper(
-            self._supervisor, connection, self._shared, self._dispatcher.on_message
+            self._supervisor, connection, self._shared, self._dispatcher.intake
         )
         self._log = get_logger(__name__).bind(connection=self._supervisor.name)
         self._routes: dict[str, Route] = {}
@@ -331,10 +334,9 @@ class ReliableConsumer(Router):
             await self._close_resources()
             self._shared.stopping = True
             raise
-        if self.settings.handler_timeout is not None:
-            self._watchdog_task = asyncio.get_running_loop().create_task(
-                self._watchdog(self.settings.handler_timeout), name="reliable_mq:watchdog"
-            )
+        self._watchdog_task = asyncio.get_running_loop().create_task(
+            self._housekeeping(self.settings.handler_timeout), name="reliable_mq:housekeeping"
+        )
         self._log.info("consumer_started", queues=list(self._routes))
 
     async def run(self) -> None:
@@ -450,14 +452,20 @@ class ReliableConsumer(Router):
                 await route.dedup.drain(5.0)
         if self._owned_dedup is not None:
             await self._owned_dedup.close()
+        for route in self._routes.values():
+            route.metrics.flush()
 
-    async def _watchdog(self, timeout: float) -> None:
-        """Cancel handlers running past ``handler_timeout`` (checked every tenth of it)."""
-        tick = min(max(timeout / 10, 0.01), 1.0)
+    async def _housekeeping(self, timeout: float | None) -> None:
+        """Add the per-delivery counts to Prometheus every `_METRICS_INTERVAL`, and
+        cancel handlers running past ``handler_timeout`` (checked every tenth of it)."""
+        tick = _METRICS_INTERVAL
+        if timeout is not None:
+            tick = min(max(timeout / 10, 0.01), tick)
         while True:
             await asyncio.sleep(tick)
             now = time.perf_counter()
             for route in self._routes.values():
+                route.metrics.flush()
                 session = route.session
-                if session is not None:
+                if session is not None and timeout is not None:
                     session.expire_overdue(now)
