@@ -17,7 +17,7 @@ from aiormq import Channel
 
 from ._amqp_faults import AMQP_ERRORS, classify
 from ._dedup_gate import DedupGate
-from ._inbound import OnDelivery, take_deliveries
+from ._inbound import OnDelivery, take_deliveries, take_frames
 from ._session import Session, Shared
 from .connection import ConnectionSupervisor
 from .errors import ClosedError, ConsumerError
@@ -104,6 +104,9 @@ class ChannelKeeper:
                 (e.g. it exists with other arguments).
         """
         connection = await self.supervisor.wait_connected()
+        transport = connection.transport
+        if transport is not None:  # our connection: its frames are decoded by us (see _inbound)
+            take_frames(transport.connection)
         aio_channel = None
         try:
             async with asyncio.timeout(self.connection_settings.connect_timeout):
