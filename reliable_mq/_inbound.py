@@ -82,13 +82,23 @@ def take_deliveries(channel: aiormq.Channel, on_delivery: OnDelivery) -> None:
         return frame
 
     async def on_deliver(frame: Basic.Deliver) -> None:
-        header = await next_frame()
+        # The header and the body have usually arrived with the method frame:
+        # take them without a coroutine each.
+        if frames.empty():
+            header = await get_frame()
+        else:
+            header = frames.get_nowait()[1]
+            frames.task_done()
         if not isinstance(header, ContentHeader):
             raise ValueError(f"Unexpected frame {header!r} instead of ContentHeader", header)
         size = header.body_size or 0
         body = b""
         if size:
-            content = await next_frame()
+            if frames.empty():
+                content = await get_frame()
+            else:
+                content = frames.get_nowait()[1]
+                frames.task_done()
             if not isinstance(content, ContentBody):
                 raise ValueError(f"Unexpected frame {content!r}", content)
             body = content.value
@@ -193,13 +203,15 @@ def decode_frame(head: bytes, rest: bytes) -> tuple[int, int, Any]:
         used = size + 8
         if kind == _BODY:
             return used, channel, ContentBody(rest[:size])
-        with contextlib.suppress(Exception):  # pamqp decodes it again, and says what is wrong
+        try:
             if kind == _METHOD and rest.startswith(_DELIVER):
                 return used, channel, _deliver(rest)
             if kind == _HEADER:
                 header = _content_header(rest)
                 if header is not None:
                     return used, channel, header
+        except Exception:  # pamqp decodes it again, and says what is wrong
+            pass
     return pamqp.frame.unmarshal(head + rest)
 
 
