@@ -1,11 +1,15 @@
-"""The consumer's inbound path below aiormq (`reliable_mq._inbound`).
+"""The consumer's fast path: `reliable_mq._inbound`, the dispatcher's intake, batched metrics.
 
 `decode_frame` must give what pamqp gives for every frame, well-formed or not
 (it takes the three frames of a delivery itself and hands the rest to pamqp).
-Against the real broker: the consumer's connection really decodes with it (an
-aiormq upgrade that moves the receiver fails here, not silently), bodies of
-every size and the properties arrive intact, and a channel that dies under a
-running handler cancels it, the delivery is counted stale and handled again.
+The intake closes the channel rather than wedge a delivery it could not
+record. Counts kept in plain Python reach Prometheus exactly as direct
+``inc()``/``observe()`` calls would have. Against the real broker: the
+consumer's connection really decodes with `decode_frame` (an aiormq upgrade
+that moves the receiver fails here, not silently), bodies of every size and the
+properties arrive intact, a channel that dies under a running handler cancels
+it (the delivery is counted stale and handled again), and the handler gauge
+follows running handlers while the consumer runs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import datetime
 import os
 import uuid
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import aio_pika
@@ -33,6 +38,8 @@ from reliable_mq import ConnectionSettings
 from reliable_mq._inbound import _receiver, decode_frame
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery
+from reliable_mq.handlers import AckPolicy
+from reliable_mq.metrics import Metrics
 from reliable_mq.testing import TCPProxy
 from reliable_mq.topology import QueueTopology, delete_topology
 
@@ -203,6 +210,87 @@ class TestDecodeFrame:
         assert_same(raw)
 
 
+class TestIntake:
+    async def test_a_delivery_it_cannot_record_closes_the_channel(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A tag out of order (or any bug while recording) aborts the channel: the
+        broker requeues its deliveries; nothing is left admitted and unsettled."""
+        from reliable_mq._dispatch import Dispatcher
+        from reliable_mq._session import Shared
+        from reliable_mq.settings import ConsumerSettings
+
+        aborted: list[bool] = []
+
+        class _Session:
+            def admit(self, tag: int, task: Any) -> Any:
+                raise ValueError(f"delivery tag {tag} out of order (expected 1)")
+
+            def abort(self) -> None:
+                aborted.append(True)
+
+        route = SimpleNamespace(
+            queue="q", spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR)
+        )
+        dispatcher = Dispatcher(Shared(ConsumerSettings()))
+        on_delivery = dispatcher.intake(route, _Session())  # type: ignore[arg-type]
+        frame = Basic.Deliver("ctag", 5, False, "", "q")
+        with caplog.at_level("ERROR"):
+            on_delivery(frame, Basic.Properties(), b"x")
+        assert aborted == [True]
+        assert "consumer_intake_failed" in caplog.text
+        assert dispatcher.shared.delivered == 0
+
+
+class TestQueueMetricsFlush:
+    def test_flushed_counts_equal_direct_calls(self) -> None:
+        """Acks, the running-handlers gauge and every histogram bucket and sum come out
+        as if each had been inc()/observe()d at once."""
+        batched, direct = CollectorRegistry(), CollectorRegistry()
+        ours = Metrics.on(batched).for_queue("q")
+        theirs = Metrics.on(direct).for_queue("q")
+        durations = [0.0, 0.0005, 0.001, 0.003, 0.3, 2.0, 299.0, 300.0, 301.0, 1e9]
+        for seconds in durations:
+            ours.handler_ended(seconds)
+            theirs.duration.observe(seconds)
+        ours.pending_acked += 7
+        theirs.acked.inc(7)
+        ours.handlers_running = 3
+        theirs.in_progress.inc(3)
+        assert _samples(batched) != _samples(direct)  # nothing reached Prometheus yet
+        ours.flush()
+        assert _samples(batched) == _samples(direct)
+        ours.handlers_running = 1
+        theirs.in_progress.dec(2)
+        ours.handler_ended(0.02)
+        theirs.duration.observe(0.02)
+        ours.flush()
+        ours.flush()  # nothing new: changes nothing
+        assert _samples(batched) == _samples(direct)
+
+    def test_two_consumers_of_one_queue_add_up(self) -> None:
+        """Two consumers' counts for one queue on one registry are summed, not overwritten."""
+        registry = CollectorRegistry()
+        first = Metrics.on(registry).for_queue("q")
+        second = Metrics.on(registry).for_queue("q")
+        first.handlers_running, second.handlers_running = 2, 3
+        first.pending_acked, second.pending_acked = 4, 5
+        first.flush()
+        second.flush()
+        assert registry.get_sample_value("reliable_mq_handlers_in_progress", {"queue": "q"}) == 5
+        labels = {"queue": "q", "outcome": "acked"}
+        assert registry.get_sample_value("reliable_mq_consumed_messages_total", labels) == 9
+
+
+def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for metric in registry.collect()
+        for sample in metric.samples
+        if not sample.name.endswith("_created")
+    }
+
+
 # -- against the broker -----------------------------------------------------------
 
 
@@ -343,3 +431,38 @@ class TestOnTheBroker:
         assert stats.stale == 1
         assert stats.acked == 1
         assert stats.in_progress == 0
+
+    async def test_the_handler_gauge_follows_running_handlers(self, env: Env) -> None:
+        """While a handler runs, handlers_in_progress reads 1 (within the flush interval);
+        once it returned, 0, and its duration is in the histogram."""
+        release = asyncio.Event()
+        consumer = env.consumer()
+
+        @consumer.handler(env.queue)
+        async def handle(body: bytes) -> None:
+            await asyncio.wait_for(release.wait(), 60)
+
+        def value(name: str) -> float:
+            registry = consumer._registry
+            assert registry is not None
+            return registry.get_sample_value(name, {"queue": env.queue}) or 0.0
+
+        async with consumer:
+            connection = await aio_pika.connect(URL)
+            try:
+                channel = await connection.channel(publisher_confirms=True)
+                await channel.default_exchange.publish(
+                    aio_pika.Message(b"x", message_id="m1"), routing_key=env.queue
+                )
+            finally:
+                await connection.close()
+            await wait_until(
+                lambda: value("reliable_mq_handlers_in_progress") == 1, 20, "the gauge at 1"
+            )
+            release.set()
+            await wait_until(
+                lambda: value("reliable_mq_handlers_in_progress") == 0, 20, "the gauge at 0"
+            )
+            await wait_until(
+                lambda: value("reliable_mq_handler_duration_seconds_count") == 1, 20, "a duration"
+            )
