@@ -2,7 +2,7 @@
 
 A ``channel.close`` (or a 50x connection close) refusing a publish says why,
 not which publish. Every message unconfirmed on that channel is a suspect.
-:class:`Isolation` re-sends them in halves, one half at a time: a half that is
+`Isolation` re-sends them in halves, one half at a time: a half that is
 confirmed is innocent; a half that is refused again holds the culprit and is
 halved again, until the refused message is alone and fails with its reply.
 Other messages wait in the backlog meanwhile; for N suspects this costs about
