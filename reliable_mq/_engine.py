@@ -314,19 +314,23 @@ class Engine:
         if out.finished:
             self._release(out)
             return
-        out.failures += 1
-        if out.failures >= self.settings.max_attempts:
-            self.fail(
-                out,
-                PublishGaveUp(
-                    f"nacked by the broker {out.failures} times",
-                    message_id=out.message_id,
-                    attempts=out.attempts,
-                ),
-            )
+        if self._counted_failure(out, "nacked by the broker"):
             return
         out.retry_reason = RetryReason.NACK
         self._back_off(out, out.failures, now)
+
+    def _counted_failure(self, out: Outgoing, what: str) -> bool:
+        """Count a nack or a confirm timeout; True if ``out`` gave up (max_attempts)."""
+        out.failures += 1
+        if out.failures < self.settings.max_attempts:
+            return False
+        self.fail(
+            out,
+            PublishGaveUp(
+                f"{what} {out.failures} times", message_id=out.message_id, attempts=out.attempts
+            ),
+        )
+        return True
 
     def _returned(self, out: Outgoing, now: float) -> None:
         self.returned_count += 1
@@ -547,16 +551,7 @@ class Engine:
         for out in generation.tracker.outstanding():
             if out.finished or now - out.sent_at < timeout:
                 continue
-            out.failures += 1
-            if out.failures >= self.settings.max_attempts:
-                self.fail(
-                    out,
-                    PublishGaveUp(
-                        f"not confirmed within {timeout}s, {out.failures} times",
-                        message_id=out.message_id,
-                        attempts=out.attempts,
-                    ),
-                )
+            self._counted_failure(out, f"not confirmed within {timeout}s")
         self.stream.replace(generation)
 
     def _go_unavailable(self) -> None:

@@ -51,7 +51,6 @@ from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 from prometheus_client import CollectorRegistry
-from pydantic import SecretStr
 
 from ._amqp_faults import AMQP_ERRORS
 from ._dedup_gate import DedupGate
@@ -153,10 +152,7 @@ class ReliableConsumer(Router):
         **overrides: Any,
     ) -> None:
         super().__init__()
-        if connection is None:
-            connection = ConnectionSettings()
-        elif isinstance(connection, str):
-            connection = ConnectionSettings(url=SecretStr(connection))
+        connection = ConnectionSettings.of(connection)
         if overrides:
             base = settings.model_dump() if settings is not None else {}
             settings = ConsumerSettings(**{**base, **overrides})
