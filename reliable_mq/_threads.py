@@ -32,6 +32,8 @@ import threading
 import time
 from typing import Any, NoReturn, cast
 
+import structlog
+
 from .delivery import Delivery
 from .errors import ClosedError
 from .handlers import AsyncHandlerFunc, HandlerSpec, SyncHandlerFunc
@@ -183,7 +185,10 @@ class HandlerThreads:
             if job is None:
                 return
             with self._lock:
-                if job.state is JobState.ABANDONED:  # timed out or shut down while queued
+                # Timed out or shut down while queued. Task.cancel() cancels the
+                # awaited future at once; the task marks the job on its next step.
+                if job.state is JobState.ABANDONED or job.future.cancelled():
+                    job.state = JobState.ABANDONED
                     self._idle += 1
                     continue
                 job.state = JobState.RUNNING
@@ -217,7 +222,9 @@ class HandlerThreads:
             job.loop.call_soon_threadsafe(_resolve, job.future, error)
 
     def _finished_late(self, job: _Job, error: BaseException | None) -> None:
-        self._log.warning(
+        # Run in the job's context: name the delivery (queue, message_id, attempt)
+        # even when structlog is not configured to merge contextvars.
+        self._log.bind(**structlog.contextvars.get_contextvars()).warning(
             "handler_finished_late",
             seconds=round(time.perf_counter() - job.started, 3),
             error=None if error is None else repr(error)[:300],

@@ -268,6 +268,8 @@ class TestHandlerThreads:
             queued = asyncio.ensure_future(pool.run(ran.append, 1))
             await asyncio.sleep(0.05)
             queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
             gate.release.set()
             await first
             await pool.run(ran.append, 2)
