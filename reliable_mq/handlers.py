@@ -129,7 +129,8 @@ class AckPolicy(enum.StrEnum):
     MANUAL = "manual"
     """The handler settles with ``delivery.ack()`` / ``retry()`` / ``reject()``;
     returning without settling is treated as a retry (with a warning), an
-    exception as under ``RETRY_ON_ERROR``."""
+    exception as under ``RETRY_ON_ERROR``. ``async def`` handlers only: a plain
+    ``def`` cannot await the settle (refused at registration with ``TypeError``)."""
 
 
 _JSON_MARKERS = ("json",)

@@ -578,11 +578,17 @@ class TestRunner:
     async def test_a_router_of_plain_defs_under_reliable_mq_run(
         self, env: Env, tmp_path: Path
     ) -> None:
-        """`reliable-mq run` loads a Router whose handler is a plain def, handles, drains on SIGTERM."""
+        """`reliable-mq run` with a Router of a plain def: handles, and drains on SIGTERM.
+
+        One handler never returns: the worker still exits cleanly after
+        ``shutdown_grace`` (not killed after ``--graceful-timeout``), and its
+        message is back in the queue.
+        """
         out = tmp_path / "handled"
         environ = {
             **os.environ,
             "RELIABLE_MQ_URL": URL,
+            "RELIABLE_MQ_CONSUMER_SHUTDOWN_GRACE": "0.5",
             "SYNC_RUNNER_QUEUE": env.queue,
             "SYNC_RUNNER_OUT": str(out),
         }
@@ -596,6 +602,8 @@ class TestRunner:
                 "reliable_mq.cli",
                 "run",
                 "tests.support.sync_runner_app:router",
+                "--graceful-timeout",
+                "60",
             ],
             cwd=ROOT,
             env=environ,
@@ -605,7 +613,7 @@ class TestRunner:
             start_new_session=True,
         )
         try:
-            ids = [f"r{n}" for n in range(20)]
+            ids = ["stuck", *(f"r{n}" for n in range(20))]
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline and b'"worker_ready"' not in _read(tmp_path):
                 assert process.poll() is None, _read(tmp_path)[-3000:]
@@ -614,7 +622,9 @@ class TestRunner:
             while time.monotonic() < deadline and len(_lines(out)) < len(ids):
                 await asyncio.sleep(0.1)
             process.send_signal(signal.SIGTERM)
-            code = await asyncio.to_thread(process.wait, 60)
+            stopping = time.monotonic()
+            code = await asyncio.to_thread(process.wait, 90)
+            took = time.monotonic() - stopping
             assert code == 0, _read(tmp_path)[-3000:]
         finally:
             if process.poll() is None:
@@ -625,6 +635,9 @@ class TestRunner:
         assert sorted(line.split()[0] for line in handled) == sorted(ids)
         assert all(line.split()[1].startswith(f"reliable_mq:{env.queue}-") for line in handled)
         assert b"worker_stopped" in _read(tmp_path)
+        assert b"handler_threads_still_running" in _read(tmp_path)
+        assert took < 30  # well before --graceful-timeout would kill the worker
+        assert await env.queue_depth(env.queue) == 1  # "stuck" was requeued
 
 
 def _read(tmp_path: Path) -> bytes:

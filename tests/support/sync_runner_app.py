@@ -2,6 +2,8 @@
 
 ``SYNC_RUNNER_QUEUE``: the queue; ``SYNC_RUNNER_OUT``: a file where each handled
 message id and the handler's thread name are appended before the handler returns.
+A message with the id ``stuck`` is written with the prefix ``stuck`` and never
+returns (a handler Python cannot interrupt).
 """
 
 from __future__ import annotations
@@ -25,3 +27,5 @@ def handle(body: bytes, delivery: Delivery) -> None:
         os.write(fd, line)
     finally:
         os.close(fd)
+    if delivery.message_id == "stuck":
+        threading.Event().wait()  # forever
