@@ -176,7 +176,17 @@ class HandlerThreads:
                 daemon=True,  # a handler that never returns must not hold the process
             )
             self._threads.append(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # "can't start new thread": out of threads or memory
+            with self._lock:
+                self._threads.remove(thread)
+                taken = job.state is not JobState.QUEUED  # by another thread meanwhile
+                if not taken:
+                    job.state = JobState.ABANDONED
+            self._log.error("handler_thread_not_started", threads=len(self._threads))
+            if not taken:
+                raise  # a handler error for this delivery: retried, as for any other
 
     def _serve(self) -> None:
         """One thread: take jobs until the pool closes."""

@@ -301,6 +301,25 @@ class TestHandlerThreads:
             lambda: not any(t.name == "t-1" for t in threading.enumerate()), "the thread to exit"
         )
 
+    async def test_a_thread_that_cannot_start_fails_the_call_not_the_pool(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Out of threads: the call raises (a handler error), the job never runs later."""
+        pool = HandlerThreads(2, "t")
+        ran: list[int] = []
+
+        def cannot_start(self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(threading.Thread, "start", cannot_start)
+            with pytest.raises(RuntimeError, match="can't start"):
+                await pool.run(ran.append, 1)
+        assert pool.started == 0
+        await pool.run(ran.append, 2)
+        assert ran == [2]
+        assert pool.close() == 0
+
     async def test_a_threads_delivery_cannot_be_settled(self) -> None:
         """The Delivery a plain def gets reads like the original; its settle methods raise."""
         pool = HandlerThreads(1, "t")
