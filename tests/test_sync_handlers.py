@@ -433,8 +433,12 @@ class TestOutcomes:
             await env.publish(*({"op": op, "decoded_in": "?"} for op in ops), ids=ops)
             await env.publish(b"{not json", ids=["bad"], content_type="application/json")
             await wait_until(
-                lambda: (s := consumer.stats()).acked == 1 and s.dead_lettered == 5,
-                "1 ack and 5 dead letters",
+                lambda: (
+                    (s := consumer.stats()).acked == 1
+                    and s.dead_lettered == 5
+                    and s.in_progress == 0
+                ),
+                "1 ack and 5 dead letters, and nothing in progress",
             )
             stats = consumer.stats()
         assert (stats.retried, stats.in_progress, stats.threads_busy) == (3, 0, 0)
@@ -512,7 +516,10 @@ class TestTimeoutsAndStop:
             with structlog.testing.capture_logs() as logs:
                 async with consumer:
                     await env.publish(b"x", ids=["slow"])
-                    await wait_until(lambda: consumer.stats().acked == 1, "attempt 2's ack")
+                    await wait_until(
+                        lambda: (s := consumer.stats()).acked == 1 and s.in_progress == 0,
+                        "attempt 2's ack, and nothing in progress",
+                    )
                     stats = consumer.stats()
                     assert (stats.retried, stats.in_progress, stats.threads_busy) == (1, 0, 1)
                     gate.release.set()
