@@ -66,7 +66,7 @@ class JobState(enum.StrEnum):
 
 
 class _Job:
-    __slots__ = ("args", "context", "func", "future", "loop", "started", "state")
+    __slots__ = ("args", "context", "delivery", "func", "future", "loop", "started", "state")
 
     def __init__(
         self,
@@ -82,6 +82,7 @@ class _Job:
         self.future = future
         self.state = JobState.QUEUED
         self.started = 0.0
+        self.delivery = next((a for a in args if isinstance(a, Delivery)), None)  # for logs
 
 
 class HandlerThreads:
@@ -232,9 +233,16 @@ class HandlerThreads:
             job.loop.call_soon_threadsafe(_resolve, job.future, error)
 
     def _finished_late(self, job: _Job, error: BaseException | None) -> None:
-        # Run in the job's context: name the delivery (queue, message_id, attempt)
-        # even when structlog is not configured to merge contextvars.
-        self._log.bind(**structlog.contextvars.get_contextvars()).warning(
+        # Run in the job's context, whose structlog contextvars are bound
+        # explicitly (structlog may not be configured to merge them), with the
+        # delivery's names when the handler takes the delivery.
+        names = structlog.contextvars.get_contextvars()
+        delivery = job.delivery
+        if delivery is not None:
+            names.update(
+                queue=delivery.queue, message_id=delivery.message_id, attempt=delivery.attempt
+            )
+        self._log.bind(**names).warning(
             "handler_finished_late",
             seconds=round(time.perf_counter() - job.started, 3),
             error=None if error is None else repr(error)[:300],

@@ -429,6 +429,12 @@ class TestOutcomes:
 
         env.track(consumer)
         ops = ["ok", "raise", "retry", "reject", "settle"]
+        # Bound before start: the delivery tasks' contexts descend from this one.
+        structlog.contextvars.bind_contextvars(test_case=env.suffix)
+        try:
+            await consumer.start()
+        finally:
+            structlog.contextvars.unbind_contextvars("test_case")
         async with consumer:
             await env.publish(*({"op": op, "decoded_in": "?"} for op in ops), ids=ops)
             await env.publish(b"{not json", ids=["bad"], content_type="application/json")
@@ -450,7 +456,7 @@ class TestOutcomes:
         )
         assert all(name.startswith(f"reliable_mq:{env.queue}-") for name in threads)
         assert decoded_in == {threading.current_thread().name}  # decoded on the loop
-        assert {c["message_id"] for c in context} == set(ops)  # the task's log context
+        assert {c.get("test_case") for c in context} == {env.suffix}  # the task's log context
         dead = await drain_queue(URL, f"{env.queue}.dlq", idle_timeout=0.3)
         reasons = {
             m.message_id: (m.headers[REASON_HEADER], m.headers[ERROR_TYPE_HEADER]) for m in dead
