@@ -200,7 +200,7 @@ class Dispatcher:
     async def _call(self, route: Route, ticket: Ticket, body: Any) -> Cause:
         """Run the handler; every way it can end becomes a cause."""
         spec, delivery, session = route.spec, ticket.delivery, ticket.session
-        func = spec.func
+        func = route.handler
         if spec.decode is None:
             coro = func(delivery)
         elif spec.wants_delivery:

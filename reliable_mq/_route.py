@@ -21,7 +21,7 @@ from ._inbound import OnDelivery, take_deliveries, take_frames
 from ._session import Session, Shared
 from .connection import ConnectionSupervisor
 from .errors import ClosedError, ConsumerError
-from .handlers import HandlerSpec
+from .handlers import AsyncHandlerFunc, HandlerSpec
 from .log import get_logger
 from .metrics import QueueMetrics
 from .settings import ConnectionSettings, ConsumerSettings
@@ -43,8 +43,12 @@ class Route:
         metrics: QueueMetrics,
         name: str,
         dedup: DedupGate | None = None,
+        handler: AsyncHandlerFunc | None = None,
     ) -> None:
         self.spec = spec
+        # What the dispatcher calls: the async def, or the thread pool's bridge
+        # to a plain def (see reliable_mq._threads).
+        self.handler = handler if handler is not None else cast(AsyncHandlerFunc, spec.func)
         self.settings = settings
         self.dedup = dedup
         self.queue = spec.queue

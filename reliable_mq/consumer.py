@@ -51,13 +51,13 @@ from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 from prometheus_client import CollectorRegistry
-from pydantic import SecretStr
 
 from ._amqp_faults import AMQP_ERRORS
 from ._dedup_gate import DedupGate
 from ._dispatch import Dispatcher
 from ._route import ChannelKeeper, Route
 from ._session import Shared
+from ._threads import HandlerThreads, handler_for, pool_size
 from .connection import ConnectionSupervisor
 from .dedup.base import DedupStore
 from .dedup.memory import MemoryDedupStore
@@ -102,6 +102,10 @@ class ConsumerStats(NamedTuple):
     fallbacks: int = 0
     """Copies (retry, DLQ, deferral) that could not be published as built; see
     `reliable_mq_settle_fallbacks_total` for the rung taken instead."""
+    threads_busy: int = 0
+    """Threads running a plain ``def`` handler now, late ones included (past
+    ``handler_timeout`` or a shutdown: their delivery is settled, their result
+    will be discarded)."""
 
 
 class ReliableConsumer(Router):
@@ -156,10 +160,7 @@ class ReliableConsumer(Router):
         **overrides: Any,
     ) -> None:
         super().__init__()
-        if connection is None:
-            connection = ConnectionSettings()
-        elif isinstance(connection, str):
-            connection = ConnectionSettings(url=SecretStr(connection))
+        connection = ConnectionSettings.of(connection)
         if overrides:
             base = settings.model_dump() if settings is not None else {}
             settings = ConsumerSettings(**{**base, **overrides})
@@ -177,6 +178,7 @@ class ReliableConsumer(Router):
         )
         self._log = get_logger(__name__).bind(connection=self._supervisor.name)
         self._routes: dict[str, Route] = {}
+        self._threads: dict[str, HandlerThreads] = {}  # plain def handlers, per queue
         self._watchdog_task: asyncio.Task[None] | None = None
         self._started = False
         self._stop_task: asyncio.Task[None] | None = None
@@ -248,6 +250,7 @@ class ReliableConsumer(Router):
             deferred=shared.deferred,
             rejected=shared.rejected,
             fallbacks=shared.fallbacks,
+            threads_busy=sum(threads.busy for threads in self._threads.values()),
         )
 
     def topology(self, queue: str) -> QueueTopology:
@@ -312,8 +315,19 @@ class ReliableConsumer(Router):
                 gate = DedupGate(
                     store, lease=lease, owner_prefix=self._owner_prefix, metrics=metrics
                 )
+            threads = None
+            if spec.sync:
+                size = pool_size(self.settings.effective_concurrency, self.settings.prefetch)
+                threads = self._threads[spec.queue] = HandlerThreads(
+                    size, f"reliable_mq:{spec.queue}"
+                )
             self._routes[spec.queue] = Route(
-                spec, self.settings, metrics, self._supervisor.name, gate
+                spec,
+                self.settings,
+                metrics,
+                self._supervisor.name,
+                gate,
+                handler=handler_for(spec, threads),
             )
         try:
             self._shared.publisher = ReliablePublisher(
@@ -434,6 +448,16 @@ class ReliableConsumer(Router):
         self._log.info("consumer_stopped", **self.stats()._asdict())
 
     async def _close_resources(self) -> None:
+        for queue, threads in self._threads.items():
+            if busy := threads.close():
+                self._log.warning(
+                    "handler_threads_still_running",
+                    queue=queue,
+                    count=busy,
+                    hint="Python cannot stop a thread: each ends when its plain def handler "
+                    "returns (its result is discarded; daemon threads do not keep the "
+                    "process alive)",
+                )
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
             await asyncio.gather(self._watchdog_task, return_exceptions=True)
