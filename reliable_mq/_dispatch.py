@@ -1,9 +1,10 @@
-"""The consumer's hot path: one delivery, from the channel's callback to its settle.
+"""The consumer's hot path: one delivery, from its channel to its settle.
 
-`Dispatcher.on_message` turns whatever happens (a bad body, a dedup answer, the
-handler returning, raising anything, cancelling itself, timing out; a
-shutdown; a dead channel) into an [`Outcome`][reliable_mq._settle.Outcome] and
-hands it to the delivery's ticket, which settles it through `Session.apply`.
+The task `Dispatcher.intake` starts for each delivery turns whatever happens
+(a bad body, a dedup answer, the handler returning, raising anything,
+cancelling itself, timing out; a shutdown; a dead channel) into an
+[`Outcome`][reliable_mq._settle.Outcome] and hands it to the delivery's
+ticket, which settles it through `Session.apply`.
 No path leaves a delivery unsettled: every exception is caught and becomes an
 outcome, and a bug of ours is settled by the error path.
 

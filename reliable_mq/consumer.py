@@ -1,13 +1,15 @@
 """ReliableConsumer: bounded prefetch, typed handlers, acks exactly once, delayed retries.
 
 One channel per consumed queue, opened on a connection kept by a
-`ConnectionSupervisor`. The hot path sits on aiormq (``basic_consume`` with a
-plain callback, ``basic_ack`` without waiting for a drain), below aio-pika's
-per-message objects.
+`ConnectionSupervisor`. The hot path sits below aio-pika's per-message objects
+and below aiormq's own delivery handling (``basic_ack`` without waiting for a
+drain): see `reliable_mq._inbound` for what is owned there and why.
 
 The consumer's jobs are split by module:
 
-* `reliable_mq._dispatch`: one delivery from the callback to an outcome (the
+* `reliable_mq._inbound`: a delivery's frames decoded, and the delivery handed
+  over from its channel, in tag order;
+* `reliable_mq._dispatch`: one delivery from its channel to an outcome (the
   handler returned, raised, timed out, the body did not decode...);
 * `reliable_mq._settle`: the pure decision, ``decide(policy, outcome, attempt)``,
   and the fallback ladder for a copy that cannot be published;
