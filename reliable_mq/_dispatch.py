@@ -101,8 +101,10 @@ class Dispatcher:
     async def _deliver(self, route: Route, ticket: Ticket, acks_first: bool) -> None:
         """One delivery's task: process it, and settle it whatever happens."""
         session, shared = ticket.session, self.shared
-        if shared.stopping:  # raced the basic.cancel: give it back at once
-            await ticket.settle(_SHUTDOWN)
+        if shared.stopping or session.dead():
+            # Raced the basic.cancel: give it back at once. Or its channel died
+            # before this task started (`Session.interrupt` lets it start): stale.
+            await ticket.settle(_SHUTDOWN if shared.stopping else _CHANNEL_DEAD)
             session.forget(ticket)
             return
         shared.enter()

@@ -16,6 +16,7 @@ tags mean nothing on any other channel.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -154,11 +155,21 @@ class Session(Frames):
         """The channel closed: cancel the tasks of its deliveries (the broker requeued them).
 
         Each settles as `Outcome.CHANNEL_DEAD` (stale: nothing can be written).
+        A task that has not started yet is left to start: cancelled now, it
+        would never run, and its delivery would never be settled; started, it
+        finds the channel dead and settles it as stale before anything else.
         """
         for ticket in list(self.inflight.values()):
             task = ticket.task
-            if task is not None and not task.done():
-                task.cancel()
+            if task is None or task.done():
+                continue
+            coro = task.get_coro()
+            if (
+                inspect.iscoroutine(coro)
+                and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED
+            ):
+                continue
+            task.cancel()
 
     async def abandon(self) -> int:
         """Shutdown past its grace: requeue every unsettled delivery, cancel its handler."""

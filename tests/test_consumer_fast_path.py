@@ -241,6 +241,62 @@ class TestIntake:
         assert "consumer_intake_failed" in caplog.text
         assert dispatcher.shared.delivered == 0
 
+    async def test_channel_dead_before_the_task_starts(self) -> None:
+        """Deliveries whose channel dies before their task runs: each settled once,
+        as stale, without running the handler; a running one is cancelled."""
+        from reliable_mq._dispatch import Dispatcher
+        from reliable_mq._session import Session, Shared
+        from reliable_mq.settings import ConsumerSettings
+
+        calls: list[str] = []
+
+        async def handler(delivery: Delivery) -> None:
+            calls.append(delivery.message_id)
+            await asyncio.sleep(60)
+
+        shared = Shared(ConsumerSettings())
+        channel = _ClosableChannel()
+        route = SimpleNamespace(
+            queue="q",
+            quorum=False,
+            spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR, decode=None),
+            handler=handler,
+            metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
+            dedup=None,
+            semaphore=None,
+        )
+        session = Session(shared, route, channel)  # type: ignore[arg-type]
+        on_delivery = Dispatcher(shared).intake(route, session)  # type: ignore[arg-type]
+        on_delivery(Basic.Deliver("ctag", 1, False, "", "q"), Basic.Properties(message_id="a"), b"")
+        await asyncio.sleep(0.01)  # the first one's handler is running
+        for tag in (2, 3):
+            props = Basic.Properties(message_id=f"m{tag}")
+            on_delivery(Basic.Deliver("ctag", tag, False, "", "q"), props, b"")
+        channel.is_closed = True  # dies before the tasks of 2 and 3 ran
+        session.interrupt()
+        tasks = [ticket.task for ticket in session.inflight.values()]
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        assert calls == ["a"]
+        assert shared.stale == 3 and shared.acked == 0
+        assert session.inflight == {} and shared.active == 0
+        assert channel.frames == []
+
+
+class _ClosableChannel:
+    """Records settle frames; ``is_closed`` set by the test."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[str, int]] = []
+        self.is_closed = False
+
+    async def basic_ack(self, tag: int, *, multiple: bool, wait: bool = False) -> None:
+        self.frames.append(("ack", tag))
+
+    async def basic_nack(
+        self, tag: int, *, multiple: bool, requeue: bool, wait: bool = False
+    ) -> None:
+        self.frames.append(("nack", tag))
+
 
 class TestQueueMetricsFlush:
     def test_flushed_counts_equal_direct_calls(self) -> None:
