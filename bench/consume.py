@@ -1,35 +1,55 @@
-"""Consume throughput: raw aio-pika against ReliableConsumer, in one run.
+"""Consume throughput: aio-pika, pika and ReliableConsumer side by side, in one run.
 
 For each mode a durable queue is pre-filled with persistent messages (not
 timed), then drained; the rate is measured from the first delivery to the last
-one handled (and, with manual acks, acked). Ratios are against raw aio-pika
-with one ack per message, the way most consumers are written, and, for the
-de-duplication rows, against reliable_mq with de-duplication off.
+one handled. Modes run one after another, round after round (interleaved), and
+the table shows medians: the rate, its ratio against aio-pika with auto-ack
+and against pika with auto-ack from the same run, and CPU per delivery of this
+process (client) and of the broker (the process listening on the broker's port,
+read from /proc; "n/a" where it cannot be read), both over the same window.
 
-De-duplication rows: the default in-memory store, an SQLite file (in a
-temporary directory) and Redis (``RELIABLE_MQ_BENCH_REDIS``, default
-``redis://127.0.0.1:6379/0``; the row is skipped when Redis does not answer).
-Every message has its own id, so these rows measure the claim + complete cost
-per message, not skipping.
+The default modes:
 
-    .venv/bin/python bench/consume.py                 # 20,000 messages per mode
-    .venv/bin/python bench/consume.py --messages 5000 --rounds 2
+* aio-pika ``queue.consume(callback, no_ack=True)``: auto-ack, the baseline
+  (not loss-proof: a crash loses what was delivered);
+* aio-pika ``queue.consume(callback)`` with ``message.ack()`` per message;
+* pika ``BlockingConnection`` ``basic_consume(auto_ack=True)`` (in a thread);
+* reliable_mq with its defaults: batched acks, in-memory de-duplication;
+* reliable_mq without de-duplication (``dedup=None``).
+
+``--all`` adds: aio-pika acking ``multiple=true`` every 50th delivery (a
+reference ceiling for manual acks), reliable_mq with one ack frame per
+message, and reliable_mq de-duplicating in SQLite (a file in a temporary
+directory) and in Redis (``RELIABLE_MQ_BENCH_REDIS``, default
+``redis://127.0.0.1:6379/0``; skipped when Redis does not answer). Every
+message has its own id, so the de-duplication rows measure claim + complete per
+message, not skipping.
+
+    .venv/bin/python bench/consume.py                          # 20,000 per mode, 3 rounds
+    .venv/bin/python bench/consume.py --messages 2000 --rounds 1   # a quick check
+    .venv/bin/python bench/consume.py --all --json consume.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import statistics
+import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import aio_pika
 import aiormq
+import pika
 from aio_pika.abc import AbstractIncomingMessage
 from pamqp.commands import Basic
 from prometheus_client import CollectorRegistry
@@ -41,35 +61,87 @@ from reliable_mq.topology import QueueTopology, declare_topology, delete_topolog
 URL = os.environ.get("RELIABLE_MQ_BENCH_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("RELIABLE_MQ_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 
+AIO_AUTO = "aio-pika auto-ack"
+PIKA_AUTO = "pika BlockingConnection auto-ack"
+RMQ_DEFAULTS = "reliable_mq defaults (dedup memory)"
+RMQ_NO_DEDUP = "reliable_mq, dedup off"
 
-LAST_CPU: list[float] = []  # client CPU microseconds per message, per measurement
+
+def broker_pid() -> int | None:
+    """The pid of the process listening on the broker's AMQP port (ss needs no root for it)."""
+    port = URL.rsplit(":", 1)[-1].split("/", 1)[0] or "5672"
+    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+        listing = subprocess.run(
+            ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, check=False
+        ).stdout
+        for part in listing.split("pid=")[1:]:
+            return int(part.split(",", 1)[0])
+    return None
+
+
+BROKER_PID = broker_pid()
+
+
+def broker_cpu_seconds() -> float | None:
+    """CPU seconds used so far by the broker process (None if it cannot be read)."""
+    if BROKER_PID is None:
+        return None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{BROKER_PID}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return None
+
+
+@dataclass
+class Sample:
+    rate: float
+    client_us: float
+    broker_us: float | None
 
 
 class Clock:
-    """First-to-last delivery timing."""
+    """First-to-last delivery timing, CPU of this process and of the broker included.
+
+    ``tick`` may be called from another thread (pika); ``done`` is then set
+    through the loop.
+    """
 
     def __init__(self, expected: int) -> None:
         self.expected = expected
         self.count = 0
-        self.first = 0.0
-        self.last = 0.0
+        self.first = self.last = 0.0
         self.cpu_first = self.cpu_last = 0.0
+        self.broker_first: float | None = None
+        self.broker_last: float | None = None
         self.done = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
 
     def tick(self) -> None:
-        now = time.perf_counter()
         if not self.count:
-            self.first = now
+            self.first = time.perf_counter()
             self.cpu_first = time.process_time()
+            self.broker_first = broker_cpu_seconds()
         self.count += 1
-        if self.count >= self.expected:
-            self.last = now
+        if self.count == self.expected:
+            self.last = time.perf_counter()
             self.cpu_last = time.process_time()
-            self.done.set()
+            self.broker_last = broker_cpu_seconds()
+            if threading.current_thread() is threading.main_thread():
+                self.done.set()
+            else:
+                self._loop.call_soon_threadsafe(self.done.set)
 
-    def rate(self) -> float:
-        LAST_CPU.append(1e6 * (self.cpu_last - self.cpu_first) / max(self.count - 1, 1))
-        return (self.count - 1) / (self.last - self.first)
+    def sample(self) -> Sample:
+        deliveries = max(self.count - 1, 1)
+        broker = None
+        if self.broker_first is not None and self.broker_last is not None:
+            broker = 1e6 * (self.broker_last - self.broker_first) / deliveries
+        return Sample(
+            rate=deliveries / (self.last - self.first),
+            client_us=1e6 * (self.cpu_last - self.cpu_first) / deliveries,
+            broker_us=broker,
+        )
 
 
 async def prefill(queue: str, count: int, size: int, arguments: dict[str, Any]) -> None:
@@ -79,7 +151,6 @@ async def prefill(queue: str, count: int, size: int, arguments: dict[str, Any]) 
         await channel.declare_queue(queue, durable=True, arguments=arguments)
         raw = cast(aiormq.Channel, await channel.get_underlay_channel())
         body = os.urandom(size // 2).hex().encode()[:size]
-        props = Basic.Properties(delivery_mode=2, content_type="application/octet-stream")
         for start in range(0, count, 1000):
             await asyncio.gather(
                 *(
@@ -87,8 +158,8 @@ async def prefill(queue: str, count: int, size: int, arguments: dict[str, Any]) 
                         body,
                         routing_key=queue,
                         properties=Basic.Properties(
-                            delivery_mode=props.delivery_mode,
-                            content_type=props.content_type,
+                            delivery_mode=2,
+                            content_type="application/octet-stream",
                             message_id=f"m{start + i}",
                         ),
                     )
@@ -99,46 +170,10 @@ async def prefill(queue: str, count: int, size: int, arguments: dict[str, Any]) 
         await connection.close()
 
 
-async def raw_manual(queue: str, count: int, prefetch: int) -> float:
-    clock = Clock(count)
-    connection = await aio_pika.connect(URL)
-    try:
-        channel = await connection.channel()
-        await channel.set_qos(prefetch_count=prefetch)
-        amqp_queue = await channel.get_queue(queue)
-
-        async def on_message(message: AbstractIncomingMessage) -> None:
-            await message.ack()
-            clock.tick()
-
-        await amqp_queue.consume(on_message)
-        await clock.done.wait()
-    finally:
-        await connection.close()
-    return clock.rate()
+Runner = Callable[[str, Clock, int], Awaitable[None]]
 
 
-async def raw_auto(queue: str, count: int, prefetch: int) -> float:
-    clock = Clock(count)
-    connection = await aio_pika.connect(URL)
-    try:
-        channel = await connection.channel()
-        await channel.set_qos(prefetch_count=prefetch)
-        amqp_queue = await channel.get_queue(queue)
-
-        async def on_message(message: AbstractIncomingMessage) -> None:
-            clock.tick()
-
-        await amqp_queue.consume(on_message, no_ack=True)
-        await clock.done.wait()
-    finally:
-        await connection.close()
-    return clock.rate()
-
-
-async def raw_multiple(queue: str, count: int, prefetch: int) -> float:
-    """Reference ceiling: ack(multiple=True) every 50th delivery, no per-message work."""
-    clock = Clock(count)
+async def aio_pika_consume(queue: str, clock: Clock, prefetch: int, *, ack: str) -> None:
     connection = await aio_pika.connect(URL)
     try:
         channel = await connection.channel()
@@ -149,15 +184,51 @@ async def raw_multiple(queue: str, count: int, prefetch: int) -> float:
         async def on_message(message: AbstractIncomingMessage) -> None:
             nonlocal seen
             seen += 1
-            if seen % 50 == 0 or seen == count:
+            if ack == "each":
+                await message.ack()
+            elif ack == "every-50" and (seen % 50 == 0 or seen == clock.expected):
                 await message.ack(multiple=True)
             clock.tick()
 
-        await amqp_queue.consume(on_message)
+        await amqp_queue.consume(on_message, no_ack=ack == "auto")
         await clock.done.wait()
     finally:
         await connection.close()
-    return clock.rate()
+
+
+async def aio_auto(queue: str, clock: Clock, prefetch: int) -> None:
+    await aio_pika_consume(queue, clock, prefetch, ack="auto")
+
+
+async def aio_manual(queue: str, clock: Clock, prefetch: int) -> None:
+    await aio_pika_consume(queue, clock, prefetch, ack="each")
+
+
+async def aio_multiple(queue: str, clock: Clock, prefetch: int) -> None:
+    await aio_pika_consume(queue, clock, prefetch, ack="every-50")
+
+
+async def pika_auto(queue: str, clock: Clock, prefetch: int) -> None:
+    """pika's BlockingConnection, basic_consume with auto_ack, in a thread."""
+
+    def run() -> None:
+        connection = pika.BlockingConnection(pika.URLParameters(URL))
+        try:
+            channel = connection.channel()
+            channel.basic_qos(prefetch_count=prefetch)
+
+            def on_message(ch: Any, method: Any, properties: Any, body: bytes) -> None:
+                clock.tick()
+                if clock.count >= clock.expected:
+                    ch.stop_consuming()
+
+            channel.basic_consume(queue, on_message, auto_ack=True)
+            channel.start_consuming()
+        finally:
+            connection.close()
+
+    await asyncio.to_thread(run)
+    await clock.done.wait()
 
 
 class Unavailable(Exception):
@@ -185,9 +256,8 @@ async def make_store(kind: str, tmp: str) -> DedupStore | str | None:
     return store
 
 
-def reliable(batch_ack: bool, dedup: str = "off") -> Callable[[str, int, int], Awaitable[float]]:
-    async def run(queue: str, count: int, prefetch: int) -> float:
-        clock = Clock(count)
+def reliable(dedup: str = "memory", *, batch_ack: bool = True) -> Runner:
+    async def run(queue: str, clock: Clock, prefetch: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             store = await make_store(dedup, tmp)
             consumer = ReliableConsumer(
@@ -208,28 +278,26 @@ def reliable(batch_ack: bool, dedup: str = "off") -> Callable[[str, int, int], A
             finally:
                 if store is not None and not isinstance(store, str):
                     await store.close()
-        return clock.rate()
 
     return run
 
 
-MODES: dict[str, tuple[Callable[[str, int, int], Awaitable[float]], bool]] = {
-    # name: (runner, uses the reliable_mq topology)
-    "aio-pika manual ack (per message)": (raw_manual, False),
-    "aio-pika auto-ack (no_ack=True)": (raw_auto, False),
-    "aio-pika multiple ack every 50 (ref)": (raw_multiple, False),
-    "reliable_mq batched acks, no dedup": (reliable(True), True),
-    "reliable_mq per-message acks, no dedup": (reliable(False), True),
-    "reliable_mq batched, dedup memory": (reliable(True, "memory"), True),
-    "reliable_mq batched, dedup SQLite": (reliable(True, "sqlite"), True),
-    "reliable_mq batched, dedup Redis": (reliable(True, "redis"), True),
+# name: (runner, uses the reliable_mq topology, shown without --all)
+MODES: dict[str, tuple[Runner, bool, bool]] = {
+    AIO_AUTO: (aio_auto, False, True),
+    "aio-pika manual ack per message": (aio_manual, False, True),
+    PIKA_AUTO: (pika_auto, False, True),
+    RMQ_DEFAULTS: (reliable("memory"), True, True),
+    RMQ_NO_DEDUP: (reliable("off"), True, True),
+    "aio-pika ack multiple every 50 (ref)": (aio_multiple, False, False),
+    "reliable_mq, ack per message, no dedup": (reliable("off", batch_ack=False), True, False),
+    "reliable_mq, dedup SQLite": (reliable("sqlite"), True, False),
+    "reliable_mq, dedup Redis": (reliable("redis"), True, False),
 }
-BASELINE = "aio-pika manual ack (per message)"
-NO_DEDUP = "reliable_mq batched acks, no dedup"
 
 
-async def measure(name: str, count: int, prefetch: int, size: int) -> float:
-    runner, managed = MODES[name]
+async def measure(name: str, count: int, prefetch: int, size: int) -> Sample:
+    runner, managed, _ = MODES[name]
     queue = f"bench-consume-{uuid.uuid4().hex[:8]}"
     topology = QueueTopology(queue)
     arguments: dict[str, Any] = dict(topology.work_queue_arguments()) if managed else {}
@@ -239,7 +307,9 @@ async def measure(name: str, count: int, prefetch: int, size: int) -> float:
         await connection.close()
     await prefill(queue, count, size, arguments)
     try:
-        return await runner(queue, count, prefetch)
+        clock = Clock(count)
+        await runner(queue, clock, prefetch)
+        return clock.sample()
     finally:
         connection = await aio_pika.connect(URL)
         channel = await connection.channel()
@@ -250,69 +320,112 @@ async def measure(name: str, count: int, prefetch: int, size: int) -> float:
         await connection.close()
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--messages", type=int, default=20_000)
-    parser.add_argument("--prefetch", type=int, default=200)
-    parser.add_argument("--size", type=int, default=256, help="body bytes")
-    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (median)")
-    args = parser.parse_args()
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
-    rates: dict[str, list[float]] = {name: [] for name in MODES}
-    cpu: dict[str, list[float]] = {name: [] for name in MODES}
+
+async def main(args: argparse.Namespace) -> None:
+    names = [name for name, (_, _, default) in MODES.items() if default or args.all]
+    samples: dict[str, list[Sample]] = {name: [] for name in names}
     skipped: dict[str, str] = {}
     load_before = os.getloadavg()
     for round_no in range(args.rounds):
-        for name in MODES:
+        for name in names:
             if name in skipped:
                 continue
             try:
-                rate = await measure(name, args.messages, args.prefetch, args.size)
+                sample = await measure(name, args.messages, args.prefetch, args.size)
             except Unavailable as exc:
                 skipped[name] = str(exc)
                 print(f"skipped {name}: {exc}", flush=True)
                 continue
-            rates[name].append(rate)
-            cpu[name].append(LAST_CPU[-1])
+            samples[name].append(sample)
             print(
-                f"round {round_no + 1}: {name:<36} {rate:>9,.0f} msgs/s "
-                f"{LAST_CPU[-1]:>6.0f} us CPU/msg",
+                f"round {round_no + 1}: {name:<40} {sample.rate:>9,.0f} msgs/s "
+                f"{sample.client_us:>6.1f} us client CPU/msg",
                 flush=True,
             )
 
-    base = statistics.median(rates[BASELINE])
-    auto = statistics.median(rates["aio-pika auto-ack (no_ack=True)"])
-    plain = statistics.median(rates[NO_DEDUP])
-    plain_cpu = statistics.median(cpu[NO_DEDUP])
+    rates = {n: statistics.median(s.rate for s in found) for n, found in samples.items() if found}
+    auto, pik = rates[AIO_AUTO], rates[PIKA_AUTO]
     load_after = os.getloadavg()
+    loop_name = type(asyncio.get_running_loop()).__module__.split(".")[0]
     print()
     print(
-        f"{args.messages:,} persistent {args.size}-byte messages per mode, prefetch "
-        f"{args.prefetch}, median of {args.rounds} round(s); load average "
-        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} CPUs)"
+        f"consume: {args.messages:,} persistent {args.size}-byte messages per mode, prefetch "
+        f"{args.prefetch}, {args.rounds} interleaved round(s), medians; loop: {loop_name}; "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
+        f"({os.cpu_count()} CPUs)"
     )
-    print("(CPU: this process's CPU time per message while draining; steadier than msgs/s")
-    print(" when other processes share the machine; 'vs no dedup' compares with the")
-    print(f" {NO_DEDUP!r} row: rate, then CPU per message)")
-    width = max(len(name) for name in MODES)
-    print(
-        f"{'mode':<{width}} {'msgs/s':>9} {'vs manual':>10} {'vs auto':>8} {'CPU us/msg':>11} "
-        f"{'vs no dedup':>12} {'CPU vs no dedup':>16}"
+    header = (
+        f"{'mode':<40} {'msgs/s':>9} {'vs aio-pika auto':>17} {'vs pika auto':>13} "
+        f"{'client µs/msg':>14} {'broker µs/msg':>14}"
     )
-    for name, values in rates.items():
-        if not values:
-            print(f"{name:<{width}} skipped: {skipped.get(name, 'no data')}")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for name in names:
+        found = samples[name]
+        if not found:
+            print(f"{name:<40} skipped: {skipped.get(name, 'no data')}")
             continue
-        rate = statistics.median(values)
-        used = statistics.median(cpu[name])
-        extra = ""
-        if "dedup" in name and "per-message" not in name:
-            extra = f" {rate / plain:>11.2f}x {used / plain_cpu:>15.2f}x"
+        rate = rates[name]
+        client = _median([s.client_us for s in found])
+        broker = _median([s.broker_us for s in found])
+        broker_text = f"{broker:>14.1f}" if broker is not None else f"{'n/a':>14}"
         print(
-            f"{name:<{width}} {rate:>9,.0f} {rate / base:>9.2f}x {rate / auto:>7.2f}x "
-            f"{used:>11.0f}{extra}"
+            f"{name:<40} {rate:>9,.0f} {rate / auto:>16.2f}x {rate / pik:>12.2f}x "
+            f"{client or 0:>14.1f} {broker_text}"
         )
+        rows.append(
+            {
+                "mode": name,
+                "rate": rate,
+                "vs_aio_pika_auto": rate / auto,
+                "vs_pika_auto": rate / pik,
+                "client_us": client,
+                "broker_us": broker,
+                "rounds": [s.__dict__ for s in found],
+            }
+        )
+    if args.json:
+        with open(args.json, "w") as out:  # noqa: ASYNC230 - once, after the measurements
+            json.dump(
+                {
+                    "messages": args.messages,
+                    "prefetch": args.prefetch,
+                    "size": args.size,
+                    "rounds": args.rounds,
+                    "loop": loop_name,
+                    "rows": rows,
+                },
+                out,
+                indent=2,
+            )
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument(
+        "--prefetch", type=int, default=200, help="basic.qos (reliable_mq's default)"
+    )
+    parser.add_argument("--size", type=int, default=256, help="body bytes")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians")
+    parser.add_argument(
+        "--all", action="store_true", help="also the reference and dedup-store rows"
+    )
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop (if installed)")
+    parser.add_argument("--json", help="also write the medians to this file")
+    args = parser.parse_args()
+    if args.uvloop:
+        import uvloop  # noqa: PLC0415 - optional
+
+        uvloop.run(main(args))
+    else:
+        asyncio.run(main(args))
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    cli()

@@ -12,6 +12,7 @@ whole connection (a frame the broker could not accept, or a broker fault).
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import re
 from dataclasses import dataclass
@@ -39,8 +40,10 @@ from aiormq.exceptions import (
     ConnectionSyntaxError,
     ConnectionUnexpectedFrame,
     IncompatibleProtocolError,
+    InvalidFrameError,
     ProbableAuthenticationError,
 )
+from pamqp.exceptions import PAMQPException
 
 from .settings import redact_credentials
 
@@ -53,6 +56,7 @@ __all__ = (
     "classify_close",
     "is_delivery_nack",
     "is_return",
+    "reader_error",
 )
 
 AMQP_ERRORS: tuple[type[BaseException], ...] = (
@@ -242,3 +246,29 @@ def is_delivery_nack(exc: BaseException) -> bool:
 def is_return(exc: BaseException) -> bool:
     """True for aiormq's error for a ``basic.return`` of a mandatory publish."""
     return isinstance(exc, aiormq.exceptions.PublishError)
+
+
+def reader_error(exc: BaseException) -> BaseException | None:
+    """The error aiormq's frame reader raises for ``exc`` (None: raise ``exc`` itself).
+
+    For a frame reader of ours that stands in for aiormq's on a connection
+    (`reliable_mq._inbound`): a socket read that failed, or bytes pamqp cannot
+    decode, end the connection with the same error as aiormq's own reader.
+    """
+    match exc:
+        case asyncio.IncompleteReadError():
+            return AMQPConnectionError(
+                "Server connection unexpectedly closed. "
+                f"Read {len(exc.partial)} bytes but {exc.expected} bytes expected"
+            )
+        case ConnectionRefusedError():
+            return AMQPConnectionError(f"Server connection refused: {exc!r}")
+        case ConnectionResetError():
+            return AMQPConnectionError(f"Server connection reset: {exc!r}")
+        case ConnectionError():
+            return AMQPConnectionError(f"Server connection error: {exc!r}")
+        case OSError():
+            return AMQPConnectionError(f"Server communication error: {exc!r}")
+        case PAMQPException():
+            return InvalidFrameError(str(exc))
+    return None

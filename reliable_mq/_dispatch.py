@@ -1,9 +1,10 @@
-"""The consumer's hot path: one delivery, from the channel's callback to its settle.
+"""The consumer's hot path: one delivery, from its channel to its settle.
 
-`Dispatcher.on_message` turns whatever happens (a bad body, a dedup answer, the
-handler returning, raising anything, cancelling itself, timing out; a
-shutdown; a dead channel) into an [`Outcome`][reliable_mq._settle.Outcome] and
-hands it to the delivery's ticket, which settles it through `Session.apply`.
+The task `Dispatcher.intake` starts for each delivery turns whatever happens
+(a bad body, a dedup answer, the handler returning, raising anything,
+cancelling itself, timing out; a shutdown; a dead channel) into an
+[`Outcome`][reliable_mq._settle.Outcome] and hands it to the delivery's
+ticket, which settles it through `Session.apply`.
 No path leaves a delivery unsettled: every exception is caught and becomes an
 outcome, and a bug of ours is settled by the error path. ``KeyboardInterrupt``
 and ``SystemExit`` from a handler count as a failed attempt too (retried, or
@@ -17,6 +18,15 @@ Cancellation is told apart by who asked for it: the watchdog flags the ticket
 dead channel shows as `Session.dead`. A ``CancelledError`` while the task was
 not cancelled (``task.cancelling() == 0``) was raised by the handler itself,
 and counts as a handler error.
+
+The common path is kept light, since it runs once per message: the channel
+hands a delivery over synchronously (`Dispatcher.intake`, see
+`reliable_mq._inbound`), which records it in tag order and starts its one
+Task; causes that carry nothing but their outcome are shared constants; the
+decision for ``ACCEPTED`` is taken once per route, not per delivery (it does
+not depend on the attempt); counters are plain ints that the consumer adds to
+Prometheus periodically. No logging context is bound per delivery: our own
+events bind theirs when they are emitted (`delivery_log`).
 """
 
 from __future__ import annotations
@@ -24,18 +34,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import Any, cast
+from types import MappingProxyType
+from typing import Any
 
-import structlog
-from aiormq.abc import DeliveredMessage
+from pamqp.commands import Basic
 
+from ._inbound import OnDelivery
 from ._route import Route
 from ._session import Session, Shared, Ticket, delivery_log
-from ._settle import Cause, Outcome
+from ._settle import Cause, Outcome, decide
 from .dedup.base import AlreadyProcessed, ClaimResult
 from .delivery import Delivery, Settle
 from .handlers import Reject, Retry
 from .headers import ATTEMPT_HEADER, DELIVERY_COUNT_HEADER, NO_CONTENT_TYPE_HEADER
+from .log import get_logger
 
 __all__ = ("Dispatcher", "int_header")
 
@@ -44,6 +56,16 @@ _EXITS = (KeyboardInterrupt, SystemExit)
 ends the process. Any other exception from a handler (``GeneratorExit``, a
 ``BaseException`` subclass of its own) is a handler error like any other."""
 
+# Causes that carry nothing but their outcome: one shared (frozen) instance each.
+_ACCEPTED = Cause(Outcome.ACCEPTED)
+_RETURNED = Cause(Outcome.RETURNED, note="handler did not settle")
+_SHUTDOWN = Cause(Outcome.SHUTDOWN)
+_CHANNEL_DEAD = Cause(Outcome.CHANNEL_DEAD)
+_DUPLICATE = Cause(Outcome.DUPLICATE)
+_BUSY = Cause(Outcome.BUSY, note="message id claimed by another consumer")
+_STORE_DOWN = Cause(Outcome.STORE_DOWN, note="dedup store unavailable")
+_NO_HEADERS: Mapping[str, Any] = MappingProxyType({})
+
 
 class Dispatcher:
     """Runs deliveries of every route of one consumer."""
@@ -51,34 +73,63 @@ class Dispatcher:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
         self.settings = shared.settings
+        self.log = get_logger(__name__)
 
-    async def on_message(self, route: Route, session: Session, message: DeliveredMessage) -> None:
-        """aiormq's consumer callback (one task per delivery)."""
-        frame = message.delivery
-        tag = cast(int, frame.delivery_tag)  # type: ignore[union-attr]
-        ticket = session.admit(tag, asyncio.current_task())
-        delivery = ticket.delivery = _delivery(route, message, ticket)
+    def intake(self, route: Route, session: Session) -> OnDelivery:
+        """The function the channel of ``session`` hands each delivery to (in tag order).
+
+        It records the delivery (its tag, its ticket) and starts the one Task
+        that processes it. Should that fail (a bug of ours, a tag out of order),
+        the channel is closed, so the broker requeues what it delivered on it.
+        """
+        loop = asyncio.get_running_loop()
         shared = self.shared
-        shared.delivered += 1
-        if delivery.redelivered:
-            route.metrics.redeliveries.inc()
-        if shared.stopping:  # raced the basic.cancel: give it back at once
-            await ticket.settle(Cause(Outcome.SHUTDOWN))
+        deliver = self._deliver
+        # Whether the policy settles a delivery before its handler runs: decided
+        # once (ACCEPTED does not depend on the attempt).
+        acks_first = (
+            decide(route.spec.ack_policy, Outcome.ACCEPTED, 1, self.settings.max_attempts).settle
+            is not Settle.HOLD
+        )
+
+        def on_delivery(frame: Basic.Deliver, properties: Basic.Properties, body: bytes) -> None:
+            try:
+                ticket = session.admit(frame.delivery_tag or 0, None)
+                delivery = ticket.delivery = _delivery(route, frame, properties, body, ticket)
+                shared.delivered += 1
+                if delivery.redelivered:
+                    route.metrics.redeliveries.inc()
+                ticket.task = loop.create_task(deliver(route, ticket, acks_first))
+            except Exception as exc:
+                self.log.error(
+                    "consumer_intake_failed", queue=route.queue, error=repr(exc), exc_info=exc
+                )
+                session.abort()
+
+        return on_delivery
+
+    async def _deliver(self, route: Route, ticket: Ticket, acks_first: bool) -> None:
+        """One delivery's task: process it, and settle it whatever happens."""
+        session, shared = ticket.session, self.shared
+        if shared.stopping or session.dead():
+            # Raced the basic.cancel: give it back at once. Or its channel died
+            # before this task started (`Session.interrupt` lets it start): stale.
+            await ticket.settle(_SHUTDOWN if shared.stopping else _CHANNEL_DEAD)
             session.forget(ticket)
             return
         shared.enter()
         try:
             if route.semaphore is None:
-                await self._process(route, ticket)
+                await self._process(route, ticket, acks_first)
             else:
                 async with route.semaphore:
-                    await self._process(route, ticket)
+                    await self._process(route, ticket, acks_first)
         except asyncio.CancelledError as exc:  # shutdown past grace, dead channel, or unknown
             if not ticket.settled:
                 await ticket.settle(self._interrupted(session, exc))
             raise
         except Exception as exc:  # a bug of ours: settle it by the error path all the same
-            delivery_log(delivery).error("consumer_failed", error=repr(exc), exc_info=exc)
+            delivery_log(ticket.delivery).error("consumer_failed", error=repr(exc), exc_info=exc)
             if not ticket.settled:
                 await ticket.settle(Cause(Outcome.RAISED, exc))
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: the process is to exit
@@ -89,6 +140,7 @@ class Dispatcher:
                 # A failed attempt, not a requeue: a handler that always exits
                 # must not crash-loop its process for good (max_attempts: the DLQ).
                 await ticket.settle(Cause(Outcome.RAISED, exc))
+            session.forget(ticket)  # not ours to cancel when the channel closes (interrupt)
             await session.close_now()  # the settle reaches the broker before the loop ends
             raise
         finally:
@@ -97,15 +149,15 @@ class Dispatcher:
 
     def _interrupted(self, session: Session, exc: asyncio.CancelledError) -> Cause:
         if session.dead():
-            return Cause(Outcome.CHANNEL_DEAD)
+            return _CHANNEL_DEAD
         if self.shared.stopping:
-            return Cause(Outcome.SHUTDOWN)
+            return _SHUTDOWN
         # Someone else cancelled the task (the handler cancelled itself, say):
         # an error of this delivery, not ours to hide.
         return Cause(Outcome.CANCELLED, exc)
 
-    async def _process(self, route: Route, ticket: Ticket) -> None:
-        cause = await self._run(route, ticket)
+    async def _process(self, route: Route, ticket: Ticket, acks_first: bool) -> None:
+        cause = await self._run(route, ticket, acks_first)
         if cause is None:
             return
         if not ticket.settled:
@@ -121,12 +173,9 @@ class Dispatcher:
         else:
             log.warning("handler_failed_after_settle", error=repr(error))
 
-    async def _run(self, route: Route, ticket: Ticket) -> Cause | None:
+    async def _run(self, route: Route, ticket: Ticket, acks_first: bool) -> Cause | None:
         """Everything up to the handler's end, as a cause (None: settled already)."""
         delivery, spec, settings = ticket.delivery, route.spec, self.settings
-        structlog.contextvars.bind_contextvars(
-            queue=delivery.queue, message_id=delivery.message_id, attempt=delivery.attempt
-        )
         if delivery.attempt > settings.max_attempts:
             return Cause(
                 Outcome.TOO_MANY_ATTEMPTS,
@@ -134,10 +183,10 @@ class Dispatcher:
             )
         gate = route.dedup
         if gate is not None:
-            if not delivery.message_id:
+            message_id = delivery.message_id
+            if not message_id:
                 gate.unkeyed()
             else:
-                message_id = delivery.message_id
                 result, claim = (
                     gate.claim_nowait(message_id)
                     if gate.nowait is not None
@@ -145,11 +194,11 @@ class Dispatcher:
                 )
                 if claim is None:
                     if result is ClaimResult.DONE:
-                        return Cause(Outcome.DUPLICATE)
+                        return _DUPLICATE
                     if result is ClaimResult.BUSY:
                         gate.busy()
-                        return Cause(Outcome.BUSY, note="message id claimed by another consumer")
-                    return Cause(Outcome.STORE_DOWN, note="dedup store unavailable")
+                        return _BUSY
+                    return _STORE_DOWN
                 ticket.claim = claim
         body: Any = None
         if spec.decode is not None:
@@ -161,15 +210,19 @@ class Dispatcher:
                 raise
             except BaseException as exc:  # BodyDecodeError, a validator's KeyError...
                 return Cause(Outcome.INVALID_BODY, exc)
-        await ticket.settle(Cause(Outcome.ACCEPTED))  # ACK_FIRST acks here; others hold
+        if acks_first:
+            await ticket.settle(_ACCEPTED)  # ACK_FIRST acks here
+        # (Under the other policies ACCEPTED is a hold: nothing to carry out.)
         if ticket.settled and ticket.outcome is not Settle.ACK:
-            return None  # the id could not be recorded: requeued, the handler does not run
+            # Settled meanwhile (a shutdown), or the id could not be recorded:
+            # requeued, the handler does not run.
+            return None
         return await self._call(route, ticket, body)
 
     async def _call(self, route: Route, ticket: Ticket, body: Any) -> Cause:
         """Run the handler; every way it can end becomes a cause."""
         spec, delivery, session = route.spec, ticket.delivery, ticket.session
-        func = spec.func
+        func = route.handler
         if spec.decode is None:
             coro = func(delivery)
         elif spec.wants_delivery:
@@ -177,7 +230,7 @@ class Dispatcher:
         else:
             coro = func(body)
         metrics = route.metrics
-        metrics.in_progress.inc()
+        metrics.handlers_running += 1
         started = time.perf_counter()
         timeout = self.settings.handler_timeout
         if timeout is not None and ticket.task is not None:
@@ -193,16 +246,16 @@ class Dispatcher:
         except AlreadyProcessed as exc:
             return Cause(Outcome.ALREADY_PROCESSED, exc)
         except _EXITS:
-            raise  # the process is to exit: on_message settles the delivery on the way out
+            raise  # the process is to exit: _deliver settles the delivery on the way out
         except BaseException as exc:  # any Exception, GeneratorExit, a BaseException of its own
             return Cause(Outcome.RAISED, exc)
         finally:
-            metrics.in_progress.dec()
-            metrics.duration.observe(time.perf_counter() - started)
+            metrics.handlers_running -= 1
+            metrics.handler_ended(time.perf_counter() - started)
             session.unwatch(ticket)
         if ticket.timed_out:  # the handler swallowed the watchdog's cancel
             return self._timed_out(ticket)
-        return Cause(Outcome.RETURNED, note="handler did not settle")
+        return _RETURNED
 
     def _cancelled(self, ticket: Ticket, exc: asyncio.CancelledError) -> Cause:
         task = ticket.task
@@ -211,7 +264,7 @@ class Dispatcher:
         if task is None or task.cancelling() == 0:
             # Nobody cancelled the task: the handler raised CancelledError itself.
             return Cause(Outcome.CANCELLED, exc)
-        raise exc  # a shutdown or a dead channel: on_message settles it
+        raise exc  # a shutdown or a dead channel: _deliver settles it
 
     def _timed_out(self, ticket: Ticket) -> Cause:
         task = ticket.task
@@ -226,23 +279,27 @@ class Dispatcher:
         )
 
 
-def _delivery(route: Route, message: DeliveredMessage, ticket: Ticket) -> Delivery:
-    frame = message.delivery
-    props = message.header.properties
-    headers: Mapping[str, Any] = props.headers or {}
-    attempt = max(int_header(headers, ATTEMPT_HEADER) or 1, 1)
-    if route.quorum:
-        attempt += max(int_header(headers, DELIVERY_COUNT_HEADER) or 0, 0)
+def _delivery(
+    route: Route, frame: Basic.Deliver, props: Basic.Properties, body: bytes, ticket: Ticket
+) -> Delivery:
+    headers: Mapping[str, Any] = props.headers or _NO_HEADERS
+    if headers:
+        attempt = max(int_header(headers, ATTEMPT_HEADER) or 1, 1)
+        if route.quorum:
+            attempt += max(int_header(headers, DELIVERY_COUNT_HEADER) or 0, 0)
+        content_type = None if NO_CONTENT_TYPE_HEADER in headers else props.content_type
+    else:
+        attempt, content_type = 1, props.content_type
     return Delivery(
-        body=message.body,
+        body=body,
         message_id=props.message_id or "",
         headers=headers,
-        redelivered=bool(frame.redelivered),  # type: ignore[union-attr]
+        redelivered=bool(frame.redelivered),
         attempt=attempt,
         queue=route.queue,
-        exchange=frame.exchange or "",  # type: ignore[union-attr]
-        routing_key=frame.routing_key or "",  # type: ignore[union-attr]
-        content_type=None if headers and NO_CONTENT_TYPE_HEADER in headers else props.content_type,
+        exchange=frame.exchange or "",
+        routing_key=frame.routing_key or "",
+        content_type=content_type,
         correlation_id=props.correlation_id,
         reply_to=props.reply_to,
         delivery_tag=ticket.tag,

@@ -26,21 +26,26 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ._admission import Aborted, Unavailable, wait_for_admission
 from ._amqp_faults import Fault, FaultKind
 from ._exchanges import ExchangeCache
+from ._isolation import Isolation
 from ._outgoing import Outgoing, Preparer, RetryReason
+from ._publish_errors import (
+    aborted_error,
+    exchange_error,
+    refused_error,
+    timeout_error,
+    unavailable_error,
+)
 from ._stream import Generation, StreamKeeper
 from ._window import Window
 from .connection import ConnectionSupervisor
 from .errors import (
     ClosedError,
-    ExchangeNotFound,
     PublishAborted,
     PublishError,
     PublishGaveUp,
-    PublishOutcomeUnknown,
-    PublishRefused,
-    PublishTimeout,
     PublishUnavailable,
     PublishUnroutable,
     ReliableMQError,
@@ -48,58 +53,12 @@ from .errors import (
 from .outcomes import PublishResult
 from .settings import PublisherSettings
 
-__all__ = ("Aborted", "Engine", "Isolation")
+__all__ = ("Engine",)
 
 _NACK_ONLY_SECONDS = 2.0
 """A channel that got only nacks (at least three, no ack) for this long is replaced."""
 _MAX_REFUSALS = 64
 """A message on this many refused channels fails, whatever isolation concluded."""
-
-
-class Aborted(Exception):
-    """Internal: close() gave up; window waiters turn it into PublishAborted."""
-
-
-class _Unavailable(Exception):
-    """Internal: no connection for unavailable_timeout; waiters turn it into PublishUnavailable."""
-
-
-class Isolation:
-    """Suspects of a refusal whose culprit the broker did not name, tested half by half."""
-
-    __slots__ = ("chunk", "fault", "size", "suspects")
-
-    def __init__(self, suspects: list[Outgoing], fault: Fault) -> None:
-        self.suspects: deque[Outgoing] = deque(suspects)
-        self.fault = fault
-        self.size = max(1, (len(suspects) + 1) // 2)
-        self.chunk: list[Outgoing] = []
-
-    def next_chunk(self) -> list[Outgoing]:
-        """The next group to send alone (the previous one was confirmed)."""
-        chunk: list[Outgoing] = []
-        while self.suspects and len(chunk) < self.size:
-            out = self.suspects.popleft()
-            if not out.finished:
-                chunk.append(out)
-        self.chunk = chunk
-        return chunk
-
-    def chunk_done(self) -> bool:
-        return all(out.tag == 0 for out in self.chunk)
-
-    def narrow(self, refused: list[Outgoing]) -> Outgoing | None:
-        """The channel was refused while ``refused`` were unconfirmed: the culprit is among
-        them. Returns it when it is alone; otherwise they become the next suspects."""
-        in_chunk = [out for out in refused if out in self.chunk]
-        others = [out for out in refused if out not in self.chunk]
-        self.chunk = []
-        if len(in_chunk) == 1:
-            self.suspects.extendleft(reversed(others))
-            return in_chunk[0]
-        self.suspects.extendleft(reversed(in_chunk + others))
-        self.size = max(1, (len(in_chunk) + 1) // 2)
-        return None
 
 
 class Engine:
@@ -168,82 +127,15 @@ class Engine:
                 the broker is unavailable, or the publisher is closing.
         """
         try:
-            await self._admit(out)
+            await wait_for_admission(self, out)
         except PublishError as exc:
             self.failed += 1
             out.metrics.failure(type(exc).__name__)
             raise
-
-    async def _admit(self, out: Outgoing) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            self._check_open(out)
-            previous = self.by_id.get(out.message_id)
-            if previous is not None:
-                await self._wait_release(previous, out)
-                continue
-            if out.exchange not in self.exchanges.known:
-                await self._check_exchange(out)
-                continue
-            if self.window.try_acquire():
-                break
-            try:
-                await self.window.acquire(out.deadline)
-            except TimeoutError:
-                raise self.timeout_error(out) from None
-            except Aborted:
-                raise self.aborted_error(out) from None
-            except _Unavailable:
-                raise self.unavailable_error(out) from None
-            if out.message_id in self.by_id or self.unavailable or self.aborting:
-                self.window.release()
-                continue
-            break
-        if loop.time() >= out.deadline:
-            self.window.release()
-            raise self.timeout_error(out)
         self._admitted(out)
 
-    def _check_open(self, out: Outgoing) -> None:
-        if self.aborting:
-            raise self.aborted_error(out)
-        if self.unavailable:
-            raise self.unavailable_error(out)
-
-    async def _wait_release(self, previous: Outgoing, out: Outgoing) -> None:
-        """Two publishes of one message_id never overlap (returns are matched by id)."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if previous.followers is None:
-            previous.followers = []
-        previous.followers.append(waiter)
-        try:
-            async with asyncio.timeout_at(out.deadline):
-                await waiter
-        except TimeoutError:
-            raise self.timeout_error(out) from None
-
-    async def _check_exchange(self, out: Outgoing) -> None:
-        try:
-            async with asyncio.timeout_at(out.deadline):
-                fault = await self.exchanges.check(out.exchange)
-        except TimeoutError:
-            raise self.timeout_error(out) from None
-        except ClosedError:
-            raise self.aborted_error(out) from None
-        if fault is None:
-            return
-        if fault.kind is FaultKind.NOT_FOUND:
-            raise ExchangeNotFound(
-                f"exchange {out.exchange!r} does not exist",
-                message_id=out.message_id,
-                attempts=out.attempts,
-                reply_code=fault.reply_code,
-                reply_text=fault.reply_text,
-            )
-        if fault.refusal:
-            raise self._refused_error(out, fault)
-
     def _admitted(self, out: Outgoing) -> None:
+        """``out`` holds its slot and its id: count it, and send it or queue it."""
         self.by_id[out.message_id] = out
         self.outstanding += 1
         if self.outstanding == 1:
@@ -329,7 +221,7 @@ class Engine:
             if fault is None:
                 self.submit(out)
             else:
-                self.fail(out, self._exchange_error(out, exchange, fault))
+                self.fail(out, exchange_error(out, exchange, fault))
 
     async def close(self) -> None:
         """Stop the background probes (the publisher is shutting down)."""
@@ -422,19 +314,23 @@ class Engine:
         if out.finished:
             self._release(out)
             return
-        out.failures += 1
-        if out.failures >= self.settings.max_attempts:
-            self.fail(
-                out,
-                PublishGaveUp(
-                    f"nacked by the broker {out.failures} times",
-                    message_id=out.message_id,
-                    attempts=out.attempts,
-                ),
-            )
+        if self._counted_failure(out, "nacked by the broker"):
             return
         out.retry_reason = RetryReason.NACK
         self._back_off(out, out.failures, now)
+
+    def _counted_failure(self, out: Outgoing, what: str) -> bool:
+        """Count a nack or a confirm timeout; True if ``out`` gave up (max_attempts)."""
+        out.failures += 1
+        if out.failures < self.settings.max_attempts:
+            return False
+        self.fail(
+            out,
+            PublishGaveUp(
+                f"{what} {out.failures} times", message_id=out.message_id, attempts=out.attempts
+            ),
+        )
+        return True
 
     def _returned(self, out: Outgoing, now: float) -> None:
         self.returned_count += 1
@@ -502,14 +398,14 @@ class Engine:
                 return
         worn = [out for out in live if out.refusals >= _MAX_REFUSALS]
         for out in worn:
-            self.fail(out, self._refused_error(out, fault))
+            self.fail(out, refused_error(out, fault))
         live = [out for out in live if out.refusals < _MAX_REFUSALS]
         if not live:
             return
         isolation = self.isolation
         if isolation is None:
             if len(live) == 1:
-                self.fail(live[0], self._refused_error(live[0], fault))
+                self.fail(live[0], refused_error(live[0], fault))
                 return
             self._log.warning("refusal_isolating", reason=fault.describe(), suspects=len(live))
             self.isolation = Isolation(sorted(live, key=_seq), fault)
@@ -518,7 +414,7 @@ class Engine:
             return
         culprit = isolation.narrow(live)
         if culprit is not None:
-            self.fail(culprit, self._refused_error(culprit, fault))
+            self.fail(culprit, refused_error(culprit, fault))
 
     def _exchange_refused(self, name: str, culprits: list[Outgoing], fault: Fault) -> None:
         if fault.kind is FaultKind.NOT_FOUND:
@@ -531,25 +427,7 @@ class Engine:
         else:
             self.exchanges.refuse(name, fault)
         for out in culprits:
-            self.fail(out, self._exchange_error(out, name, fault))
-
-    def _exchange_error(self, out: Outgoing, name: str, fault: Fault) -> PublishError:
-        if fault.kind is not FaultKind.NOT_FOUND:
-            return self._refused_error(out, fault)
-        if out.maybe_routed:
-            return PublishOutcomeUnknown(
-                f"exchange {name!r} was deleted while this message was unconfirmed: "
-                "the broker may have routed it before; retry with the same message_id",
-                message_id=out.message_id,
-                attempts=out.attempts,
-            )
-        return ExchangeNotFound(
-            f"exchange {name!r} does not exist",
-            message_id=out.message_id,
-            attempts=out.attempts,
-            reply_code=fault.reply_code,
-            reply_text=fault.reply_text,
-        )
+            self.fail(out, exchange_error(out, name, fault))
 
     # -- resolution -----------------------------------------------------------------------
 
@@ -623,43 +501,13 @@ class Engine:
     def timeout_error(self, out: Outgoing) -> PublishError:
         if self.aborting:
             return self.aborted_error(out)
-        return PublishTimeout(
-            "deadline passed before a confirm; the broker may still have it",
-            message_id=out.message_id,
-            attempts=out.attempts,
-        )
+        return timeout_error(out)
 
     def aborted_error(self, out: Outgoing) -> PublishAborted:
-        return PublishAborted(
-            "publisher closed before a confirm; the broker may still have it",
-            message_id=out.message_id,
-            attempts=out.attempts,
-        )
+        return aborted_error(out)
 
     def unavailable_error(self, out: Outgoing) -> PublishUnavailable:
-        seconds = self.settings.unavailable_timeout
-        sent = " (an earlier attempt may have reached the broker)" if out.attempts else ""
-        return PublishUnavailable(
-            f"no connection to the broker for {seconds:g}s (unavailable_timeout){sent}",
-            message_id=out.message_id,
-            attempts=out.attempts,
-        )
-
-    def _refused_error(self, out: Outgoing, fault: Fault) -> PublishError:
-        if out.maybe_routed:
-            return PublishOutcomeUnknown(
-                f"refused by the broker ({fault.describe()}) after an earlier attempt was "
-                "lost unconfirmed: the broker may have that one; retry with the same message_id",
-                message_id=out.message_id,
-                attempts=out.attempts,
-            )
-        return PublishRefused(
-            f"refused by the broker: {fault.describe()}",
-            message_id=out.message_id,
-            attempts=out.attempts,
-            reply_code=fault.reply_code,
-            reply_text=fault.reply_text,
-        )
+        return unavailable_error(out, self.settings.unavailable_timeout)
 
     # -- the periodic sweep --------------------------------------------------------------------
 
@@ -703,16 +551,7 @@ class Engine:
         for out in generation.tracker.outstanding():
             if out.finished or now - out.sent_at < timeout:
                 continue
-            out.failures += 1
-            if out.failures >= self.settings.max_attempts:
-                self.fail(
-                    out,
-                    PublishGaveUp(
-                        f"not confirmed within {timeout}s, {out.failures} times",
-                        message_id=out.message_id,
-                        attempts=out.attempts,
-                    ),
-                )
+            self._counted_failure(out, f"not confirmed within {timeout}s")
         self.stream.replace(generation)
 
     def _go_unavailable(self) -> None:
@@ -722,7 +561,7 @@ class Engine:
             seconds=self.settings.unavailable_timeout,
             waiting=sum(1 for out in self.by_id.values() if not out.finished),
         )
-        self.window.fail_waiters(_Unavailable())
+        self.window.fail_waiters(Unavailable())
         for out in list(self.by_id.values()):
             if not out.finished and out.tag == 0:
                 self.fail(out, self.unavailable_error(out))

@@ -10,28 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine
-from functools import partial
+from collections.abc import Callable
 from typing import Any, cast
 
 from aiormq import Channel
-from aiormq.abc import DeliveredMessage
 
 from ._amqp_faults import AMQP_ERRORS, classify
 from ._dedup_gate import DedupGate
+from ._inbound import OnDelivery, take_deliveries, take_frames
 from ._session import Session, Shared
 from .connection import ConnectionSupervisor
 from .errors import ClosedError, ConsumerError
-from .handlers import HandlerSpec
+from .handlers import AsyncHandlerFunc, HandlerSpec
 from .log import get_logger
 from .metrics import QueueMetrics
 from .settings import ConnectionSettings, ConsumerSettings
 from .topology import QueueTopology, QueueType, prepare_topology
 
-__all__ = ("ChannelKeeper", "OnMessage", "Route")
+__all__ = ("ChannelKeeper", "Intake", "Route")
 
-OnMessage = Callable[["Route", Session, DeliveredMessage], Coroutine[Any, Any, None]]
-"""The per-delivery callback: ``(route, session, message)``."""
+Intake = Callable[["Route", Session], OnDelivery]
+"""Makes the function a session's channel hands each delivery to."""
 
 
 class Route:
@@ -44,8 +43,12 @@ class Route:
         metrics: QueueMetrics,
         name: str,
         dedup: DedupGate | None = None,
+        handler: AsyncHandlerFunc | None = None,
     ) -> None:
         self.spec = spec
+        # What the dispatcher calls: the async def, or the thread pool's bridge
+        # to a plain def (see reliable_mq._threads).
+        self.handler = handler if handler is not None else cast(AsyncHandlerFunc, spec.func)
         self.settings = settings
         self.dedup = dedup
         self.queue = spec.queue
@@ -89,12 +92,12 @@ class ChannelKeeper:
         supervisor: ConnectionSupervisor,
         connection_settings: ConnectionSettings,
         shared: Shared,
-        on_message: OnMessage,
+        intake: Intake,
     ) -> None:
         self.supervisor = supervisor
         self.connection_settings = connection_settings
         self.shared = shared
-        self.on_message = on_message
+        self.intake = intake
         self.reopens = 0
 
     async def open(self, route: Route, *, first: bool = False) -> None:
@@ -105,6 +108,9 @@ class ChannelKeeper:
                 (e.g. it exists with other arguments).
         """
         connection = await self.supervisor.wait_connected()
+        transport = connection.transport
+        if transport is not None:  # our connection: its frames are decoded by us (see _inbound)
+            take_frames(transport.connection)
         aio_channel = None
         try:
             async with asyncio.timeout(self.connection_settings.connect_timeout):
@@ -115,9 +121,11 @@ class ChannelKeeper:
                 channel = cast(Channel, await aio_channel.get_underlay_channel())
                 await channel.basic_qos(prefetch_count=self.shared.settings.prefetch)
                 session = Session(self.shared, route, channel)
-                ok = await channel.basic_consume(
-                    route.queue, partial(self.on_message, route, session), no_ack=False
-                )
+                # Deliveries go to our dispatcher below aiormq (see _inbound); our
+                # tasks are cancelled by us, not by aiormq, when the channel closes.
+                take_deliveries(channel, self.intake(route, session))
+                channel.closing.add_done_callback(lambda _: session.interrupt())
+                ok = await channel.basic_consume(route.queue, _not_called, no_ack=False)
         except BaseException as exc:
             if aio_channel is not None and not aio_channel.is_closed:
                 with contextlib.suppress(*AMQP_ERRORS, asyncio.CancelledError):
@@ -197,3 +205,8 @@ class ChannelKeeper:
             failures = 0
             self.reopens += 1
             route.log.info("consumer_channel_recovered")
+
+
+async def _not_called(message: Any) -> None:
+    """The callback aiormq registers for our consumer tag; `take_deliveries` bypasses it."""
+    raise RuntimeError("deliveries of a reliable_mq consumer channel go to its dispatcher")

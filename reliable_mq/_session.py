@@ -16,6 +16,8 @@ tags mean nothing on any other channel.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import math
 from typing import TYPE_CHECKING, Any
 
 from aiormq import Channel
@@ -69,7 +71,8 @@ class Ticket:
         timed_out: the watchdog cancelled its handler.
         settling: a settle is being carried out; the watchdog waits for its end
             (a copy the handler asked for is not cut off half-way by its deadline).
-        deadline: when the handler times out (``perf_counter`` seconds).
+        deadline: when the handler times out (``perf_counter`` seconds; infinite
+            while no handler runs).
     """
 
     __slots__ = (
@@ -91,7 +94,7 @@ class Ticket:
         self.delivery: Delivery
         self.claim: Claim | None = None
         self.timed_out = False
-        self.deadline = 0.0
+        self.deadline = math.inf
         self._outcome: Settle | None = None
         self.settling = False
 
@@ -131,7 +134,6 @@ class Session(Frames):
         super().__init__(shared, route.metrics, channel)
         self.route = route
         self.inflight: dict[int, Ticket] = {}
-        self.running: dict[int, Ticket] = {}  # handlers under the watchdog
         self.consumer_tag: str | None = None
 
     # -- tickets ------------------------------------------------------------
@@ -146,15 +148,13 @@ class Session(Frames):
     def forget(self, ticket: Ticket) -> None:
         """The delivery's processing ended (it was settled)."""
         self.inflight.pop(ticket.tag, None)
-        self.running.pop(ticket.tag, None)
 
     def watch(self, ticket: Ticket, deadline: float) -> None:
         """Put the ticket's handler under the watchdog until `unwatch`."""
         ticket.deadline = deadline
-        self.running[ticket.tag] = ticket
 
     def unwatch(self, ticket: Ticket) -> None:
-        self.running.pop(ticket.tag, None)
+        ticket.deadline = math.inf
 
     def expire_overdue(self, now: float) -> None:
         """Cancel every watched handler past its deadline (flagged as timed out first).
@@ -165,13 +165,33 @@ class Session(Frames):
         """
         overdue = [
             t
-            for t in self.running.values()
+            for t in self.inflight.values()
             if now >= t.deadline and not t.timed_out and not t.settling
         ]
         for ticket in overdue:
             ticket.timed_out = True
             if ticket.task is not None:
                 ticket.task.cancel()
+
+    def interrupt(self) -> None:
+        """The channel closed: cancel the tasks of its deliveries (the broker requeued them).
+
+        Each settles as `Outcome.CHANNEL_DEAD` (stale: nothing can be written).
+        A task that has not started yet is left to start: cancelled now, it
+        would never run, and its delivery would never be settled; started, it
+        finds the channel dead and settles it as stale before anything else.
+        """
+        for ticket in list(self.inflight.values()):
+            task = ticket.task
+            if task is None or task.done():
+                continue
+            coro = task.get_coro()
+            if (
+                inspect.iscoroutine(coro)
+                and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED
+            ):
+                continue
+            task.cancel()
 
     async def abandon(self) -> int:
         """Shutdown past its grace: requeue every unsettled delivery, cancel its handler."""
@@ -200,7 +220,7 @@ class Session(Frames):
         )
         if decision.settle is Settle.HOLD:
             return False
-        if ticket.settled:
+        if ticket._outcome is not None:
             if cause.outcome in _CALLED:
                 delivery_log(delivery).warning(
                     "delivery_already_settled", first=ticket.outcome, second=decision.settle
@@ -244,7 +264,7 @@ class Session(Frames):
         match settle:
             case Settle.ACK:
                 shared.acked += 1
-                metrics.acked.inc()
+                metrics.pending_acked += 1  # added to Prometheus by QueueMetrics.flush
                 await self.ack(tag)
             case Settle.DUPLICATE:
                 shared.duplicates += 1

@@ -1,13 +1,15 @@
 """ReliableConsumer: bounded prefetch, typed handlers, acks exactly once, delayed retries.
 
 One channel per consumed queue, opened on a connection kept by a
-`ConnectionSupervisor`. The hot path sits on aiormq (``basic_consume`` with a
-plain callback, ``basic_ack`` without waiting for a drain), below aio-pika's
-per-message objects.
+`ConnectionSupervisor`. The hot path sits below aio-pika's per-message objects
+and below aiormq's own delivery handling (``basic_ack`` without waiting for a
+drain): see `reliable_mq._inbound` for what is owned there and why.
 
 The consumer's jobs are split by module:
 
-* `reliable_mq._dispatch`: one delivery from the callback to an outcome (the
+* `reliable_mq._inbound`: a delivery's frames decoded, and the delivery handed
+  over from its channel, in tag order;
+* `reliable_mq._dispatch`: one delivery from its channel to an outcome (the
   handler returned, raised, timed out, the body did not decode...);
 * `reliable_mq._settle`: the pure decision, ``decide(policy, outcome, attempt)``,
   and the fallback ladder for a copy that cannot be published;
@@ -51,13 +53,13 @@ from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 from prometheus_client import CollectorRegistry
-from pydantic import SecretStr
 
 from ._amqp_faults import AMQP_ERRORS
 from ._dedup_gate import DedupGate
 from ._dispatch import Dispatcher
 from ._route import ChannelKeeper, Route
 from ._session import Shared
+from ._threads import HandlerThreads, handler_for, pool_size
 from .connection import ConnectionSupervisor
 from .dedup.base import DedupStore
 from .dedup.memory import MemoryDedupStore
@@ -75,6 +77,9 @@ __all__ = (
     "ConsumerStats",
     "ReliableConsumer",
 )
+
+_METRICS_INTERVAL = 0.5
+"""Seconds between two additions of the per-delivery counts to Prometheus."""
 
 
 class ConsumerStats(NamedTuple):
@@ -99,6 +104,10 @@ class ConsumerStats(NamedTuple):
     fallbacks: int = 0
     """Copies (retry, DLQ, deferral) that could not be published as built; see
     `reliable_mq_settle_fallbacks_total` for the rung taken instead."""
+    threads_busy: int = 0
+    """Threads running a plain ``def`` handler now, late ones included (past
+    ``handler_timeout`` or a shutdown: their delivery is settled, their result
+    will be discarded)."""
 
 
 class ReliableConsumer(Router):
@@ -153,10 +162,7 @@ class ReliableConsumer(Router):
         **overrides: Any,
     ) -> None:
         super().__init__()
-        if connection is None:
-            connection = ConnectionSettings()
-        elif isinstance(connection, str):
-            connection = ConnectionSettings(url=SecretStr(connection))
+        connection = ConnectionSettings.of(connection)
         if overrides:
             base = settings.model_dump() if settings is not None else {}
             settings = ConsumerSettings(**{**base, **overrides})
@@ -170,10 +176,11 @@ class ReliableConsumer(Router):
         self._metrics = Metrics.on(registry, metrics_prefix)
         self._supervisor = ConnectionSupervisor(connection, role="consumer", metrics=self._metrics)
         self._keeper = ChannelKeeper(
-            self._supervisor, connection, self._shared, self._dispatcher.on_message
+            self._supervisor, connection, self._shared, self._dispatcher.intake
         )
         self._log = get_logger(__name__).bind(connection=self._supervisor.name)
         self._routes: dict[str, Route] = {}
+        self._threads: dict[str, HandlerThreads] = {}  # plain def handlers, per queue
         self._watchdog_task: asyncio.Task[None] | None = None
         self._started = False
         self._stop_task: asyncio.Task[None] | None = None
@@ -245,6 +252,7 @@ class ReliableConsumer(Router):
             deferred=shared.deferred,
             rejected=shared.rejected,
             fallbacks=shared.fallbacks,
+            threads_busy=sum(threads.busy for threads in self._threads.values()),
         )
 
     def topology(self, queue: str) -> QueueTopology:
@@ -309,8 +317,19 @@ class ReliableConsumer(Router):
                 gate = DedupGate(
                     store, lease=lease, owner_prefix=self._owner_prefix, metrics=metrics
                 )
+            threads = None
+            if spec.sync:
+                size = pool_size(self.settings.effective_concurrency, self.settings.prefetch)
+                threads = self._threads[spec.queue] = HandlerThreads(
+                    size, f"reliable_mq:{spec.queue}"
+                )
             self._routes[spec.queue] = Route(
-                spec, self.settings, metrics, self._supervisor.name, gate
+                spec,
+                self.settings,
+                metrics,
+                self._supervisor.name,
+                gate,
+                handler=handler_for(spec, threads),
             )
         try:
             self._shared.publisher = ReliablePublisher(
@@ -331,10 +350,9 @@ class ReliableConsumer(Router):
             await self._close_resources()
             self._shared.stopping = True
             raise
-        if self.settings.handler_timeout is not None:
-            self._watchdog_task = asyncio.get_running_loop().create_task(
-                self._watchdog(self.settings.handler_timeout), name="reliable_mq:watchdog"
-            )
+        self._watchdog_task = asyncio.get_running_loop().create_task(
+            self._housekeeping(self.settings.handler_timeout), name="reliable_mq:housekeeping"
+        )
         self._log.info("consumer_started", queues=list(self._routes))
 
     async def run(self) -> None:
@@ -432,6 +450,16 @@ class ReliableConsumer(Router):
         self._log.info("consumer_stopped", **self.stats()._asdict())
 
     async def _close_resources(self) -> None:
+        for queue, threads in self._threads.items():
+            if busy := threads.close():
+                self._log.warning(
+                    "handler_threads_still_running",
+                    queue=queue,
+                    count=busy,
+                    hint="Python cannot stop a thread: each ends when its plain def handler "
+                    "returns (its result is discarded; daemon threads do not keep the "
+                    "process alive)",
+                )
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
             await asyncio.gather(self._watchdog_task, return_exceptions=True)
@@ -450,14 +478,20 @@ class ReliableConsumer(Router):
                 await route.dedup.drain(5.0)
         if self._owned_dedup is not None:
             await self._owned_dedup.close()
+        for route in self._routes.values():
+            route.metrics.flush()
 
-    async def _watchdog(self, timeout: float) -> None:
-        """Cancel handlers running past ``handler_timeout`` (checked every tenth of it)."""
-        tick = min(max(timeout / 10, 0.01), 1.0)
+    async def _housekeeping(self, timeout: float | None) -> None:
+        """Add the per-delivery counts to Prometheus every `_METRICS_INTERVAL`, and
+        cancel handlers running past ``handler_timeout`` (checked every tenth of it)."""
+        tick = _METRICS_INTERVAL
+        if timeout is not None:
+            tick = min(max(timeout / 10, 0.01), tick)
         while True:
             await asyncio.sleep(tick)
             now = time.perf_counter()
             for route in self._routes.values():
+                route.metrics.flush()
                 session = route.session
-                if session is not None:
+                if session is not None and timeout is not None:
                     session.expire_overdue(now)

@@ -8,6 +8,10 @@ A handler is an ``async def`` taking the decoded body, optionally followed by th
 async def on_order(order: Order, delivery: Delivery) -> None: ...
 ```
 
+It may also be a plain ``def`` with the same signatures: the consumer runs it in
+a bounded thread pool of its own (see `reliable_mq._threads`). A plain ``def``
+cannot use ``AckPolicy.MANUAL``: it steers the outcome by returning or raising.
+
 The body's annotation picks the decoder: a pydantic model (JSON, validated),
 ``dict``/``list`` or any other type pydantic can validate (JSON), ``str``
 (UTF-8), ``bytes`` or no annotation (raw). A body that fails to decode is
@@ -38,6 +42,7 @@ from .topology import QueueType
 
 __all__ = (
     "AckPolicy",
+    "AsyncHandlerFunc",
     "BodyDecodeError",
     "HandlerDedup",
     "HandlerFunc",
@@ -46,13 +51,20 @@ __all__ = (
     "Reject",
     "Retry",
     "Router",
+    "SyncHandlerFunc",
     "USE_CONSUMER_DEDUP",
     "UseConsumerDedup",
     "decoder_for",
 )
 
-HandlerFunc = Callable[..., Awaitable[None]]
+AsyncHandlerFunc = Callable[..., Awaitable[None]]
 """An ``async def`` handler: ``(body)``, ``(body, delivery)`` or ``(delivery)``."""
+
+SyncHandlerFunc = Callable[..., None]
+"""A plain ``def`` handler, with the same signatures; it runs in a thread of the consumer."""
+
+HandlerFunc = AsyncHandlerFunc | SyncHandlerFunc
+"""Either kind of handler."""
 
 
 _F = TypeVar("_F", bound=HandlerFunc)
@@ -123,7 +135,8 @@ class AckPolicy(enum.StrEnum):
     MANUAL = "manual"
     """The handler settles with ``delivery.ack()`` / ``retry()`` / ``reject()``;
     returning without settling is treated as a retry (with a warning), an
-    exception as under ``RETRY_ON_ERROR``."""
+    exception as under ``RETRY_ON_ERROR``. ``async def`` handlers only: a plain
+    ``def`` cannot await the settle (refused at registration with ``TypeError``)."""
 
 
 _JSON_MARKERS = ("json",)
@@ -249,6 +262,7 @@ class HandlerSpec:
         queue_arguments: extra arguments for the work queue declaration.
         dedup: this handler's de-duplication store, ``None`` for none, or
             `USE_CONSUMER_DEDUP` (the consumer's ``dedup``).
+        sync: ``func`` is a plain ``def``: the consumer runs it in its thread pool.
     """
 
     queue: str
@@ -260,6 +274,7 @@ class HandlerSpec:
     declare: bool = True
     queue_arguments: dict[str, Any] = field(default_factory=dict)
     dedup: HandlerDedup = USE_CONSUMER_DEDUP
+    sync: bool = False
 
     @property
     def queue_has_dlx(self) -> bool:
@@ -277,12 +292,15 @@ class HandlerSpec:
         """Inspect ``func`` and build its spec.
 
         Raises:
-            TypeError: ``func`` is not an ``async def`` with a supported signature.
+            TypeError: ``func`` is not an ``async def`` or a plain ``def`` with a
+                supported signature, or is a plain ``def`` under ``AckPolicy.MANUAL``.
         """
         if not queue:
             raise ValueError("queue name must not be empty")
-        if not inspect.iscoroutinefunction(func):
-            raise TypeError(f"handler {func!r} must be an async def function")
+        ack_policy = AckPolicy(options.get("ack_policy", AckPolicy.RETRY_ON_ERROR))
+        sync = not inspect.iscoroutinefunction(func)
+        if sync:
+            _check_plain_def(func, ack_policy)
         signature = inspect.signature(func)
         try:
             hints = typing.get_type_hints(func)
@@ -323,11 +341,42 @@ class HandlerSpec:
             func=func,
             decode=decode,
             wants_delivery=wants_delivery,
-            ack_policy=AckPolicy(options.get("ack_policy", AckPolicy.RETRY_ON_ERROR)),
+            ack_policy=ack_policy,
             queue_type=QueueType(options.get("queue_type", QueueType.CLASSIC)),
             declare=options.get("declare", True),
             queue_arguments=dict(options.get("queue_arguments") or {}),
             dedup=options.get("dedup", USE_CONSUMER_DEDUP),
+            sync=sync,
+        )
+
+
+def _check_plain_def(func: Any, policy: AckPolicy) -> None:
+    """Refuse what would run as a plain ``def`` but never do the handler's work.
+
+    A generator function, or a sync wrapper around an ``async def`` (a decorator
+    without ``markcoroutinefunction``), would return an object nobody runs, and
+    every message would be acked unhandled. ``AckPolicy.MANUAL`` needs
+    ``await delivery.ack()``, which a thread cannot do.
+    """
+    name = getattr(func, "__qualname__", None) or repr(func)
+    if not callable(func):
+        raise TypeError(f"handler {func!r} is not callable")
+    if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+        raise TypeError(f"handler {name} must be an async def or a plain def, not a generator")
+    if inspect.isfunction(func) or inspect.ismethod(func):
+        inner = inspect.unwrap(func)  # a functools.wraps decorator's wrapped function
+    else:
+        inner = type(func).__call__  # a callable object
+    if inspect.iscoroutinefunction(inner):
+        raise TypeError(
+            f"handler {name} returns a coroutine but is not an async def itself "
+            "(a decorator around an async def?): declare it async def"
+        )
+    if policy is AckPolicy.MANUAL:
+        raise TypeError(
+            f"handler {name} is a plain def: it cannot use AckPolicy.MANUAL (a Delivery "
+            "settles on the consumer's event loop, not from the handler's thread); return "
+            "to ack, raise Retry or Reject, or make it an async def"
         )
 
 

@@ -33,7 +33,6 @@ from collections.abc import AsyncIterable, Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from pydantic import SecretStr
 from typing_extensions import Unpack
 
 from ._batch import Batch
@@ -111,10 +110,7 @@ class ReliablePublisher:
         registry: CollectorRegistry | None = None,
         metrics_prefix: str = "reliable_mq",
     ) -> None:
-        if connection is None:
-            connection = ConnectionSettings()
-        elif isinstance(connection, str):
-            connection = ConnectionSettings(url=SecretStr(connection))
+        connection = ConnectionSettings.of(connection)
         self.settings = settings if settings is not None else PublisherSettings()
         self._metrics = Metrics.on(registry, metrics_prefix)
         self._supervisor = ConnectionSupervisor(connection, role="publisher", metrics=self._metrics)

@@ -151,6 +151,25 @@ class ConnectionSettings(_Settings):
                 raise ValueError(f"URL #{index + 1} has no host")
         return SecretStr(",".join(parts))
 
+    @classmethod
+    def of(cls, value: str | ConnectionSettings | None) -> ConnectionSettings:
+        """What every ``connection=`` argument takes: a URL (or several, comma separated),
+        settings, or None (from ``RELIABLE_MQ_*`` variables).
+
+        Raises:
+            InvalidSettings: ``value`` is of another type, or not a valid URL.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, ConnectionSettings):
+            return value
+        if isinstance(value, str):
+            return cls(url=SecretStr(value))
+        raise InvalidSettings(
+            cls.__name__,
+            [("url", f"expected an AMQP URL or ConnectionSettings, not {type(value).__name__}")],
+        )
+
     @model_validator(mode="after")
     def _check_delays(self) -> ConnectionSettings:
         if self.reconnect_max_delay < self.reconnect_initial_delay:

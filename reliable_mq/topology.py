@@ -32,7 +32,6 @@ from typing import Any
 
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from prometheus_client import CollectorRegistry
-from pydantic import SecretStr
 
 from ._amqp_faults import AMQP_ERRORS, Fault, FaultKind, classify
 from .connection import ConnectionSupervisor
@@ -402,8 +401,7 @@ async def _check_existing(connection: AbstractConnection, topology: QueueTopolog
 
 @contextlib.asynccontextmanager
 async def _connection(settings: str | ConnectionSettings) -> AsyncIterator[AbstractConnection]:
-    if isinstance(settings, str):
-        settings = ConnectionSettings(url=SecretStr(settings))
+    settings = ConnectionSettings.of(settings)
     supervisor = ConnectionSupervisor(
         settings, role="topology", metrics=Metrics.on(CollectorRegistry())
     )

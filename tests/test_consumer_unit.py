@@ -92,13 +92,17 @@ class TestHandlerSpec:
 
         assert not HandlerSpec.build("q", handler).wants_delivery
 
-    def test_sync_function_refused(self) -> None:
-        """Handlers must be async."""
+    def test_sync_function_refused_under_manual(self) -> None:
+        """A plain def is accepted (run in threads), except under AckPolicy.MANUAL.
+
+        More in tests/test_sync_handlers.py.
+        """
 
         def handler(body: bytes) -> None: ...
 
-        with pytest.raises(TypeError, match="async"):
-            HandlerSpec.build("q", handler)  # type: ignore[arg-type]
+        assert HandlerSpec.build("q", handler).sync
+        with pytest.raises(TypeError, match="MANUAL"):
+            HandlerSpec.build("q", handler, ack_policy=AckPolicy.MANUAL)
 
     def test_bad_arity_refused(self) -> None:
         """Three positional parameters are refused."""

@@ -327,6 +327,7 @@ class TestPrivateBroker:
             conn(node.url, heartbeat=2), settings=settings, registry=CollectorRegistry()
         ) as publisher:
             await publisher.publish(b"before", routing_key=queue)
+            await asyncio.sleep(2)  # 3.10: a definition younger than ~1 s may not survive kill -9
             await asyncio.to_thread(node.kill)
             started = time.monotonic()
             outcomes = await asyncio.gather(

@@ -116,3 +116,17 @@ class TestSecrets:
         assert "127.0.0.1:1" in str(caught.value) and "127.0.0.1:2" in str(caught.value)
         assert "s3cret" not in str(caught.value)
         assert "s3cret" not in caplog.text
+
+
+class TestConnectionArgument:
+    def test_every_form_a_connection_argument_takes(self) -> None:
+        """A URL, settings or None become settings; anything else is refused by name."""
+        from reliable_mq import ConnectionSettings, InvalidSettings
+
+        settings = ConnectionSettings(url="amqp://u:p@h:5672/")
+        assert ConnectionSettings.of(settings) is settings
+        assert ConnectionSettings.of("amqp://u:p@h:5672/").addresses[0].url.host == "h"
+        assert isinstance(ConnectionSettings.of(None), ConnectionSettings)
+        for bad in (5, b"amqp://h/", ["amqp://h/"]):
+            with pytest.raises(InvalidSettings, match="expected an AMQP URL"):
+                ConnectionSettings.of(bad)  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry
-from pydantic import Field, SecretStr
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from ..errors import (
@@ -165,11 +165,7 @@ class OutboxRelay:
         if isinstance(publisher, ReliablePublisher):
             self._publisher = publisher
         else:
-            connection = (
-                ConnectionSettings(url=SecretStr(publisher))
-                if isinstance(publisher, str)
-                else publisher
-            )
+            connection = ConnectionSettings.of(publisher)
             self._publisher = ReliablePublisher(
                 connection,
                 settings=publisher_settings,

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
-from pydantic import SecretStr
 from typing_extensions import Unpack
 
 from .._wire import check_timeout
@@ -100,14 +99,7 @@ class BlockingPublisher:
         max_pending: int | None = None,
         exit_timeout: float = 10.0,
     ) -> None:
-        if connection is None:
-            connection = ConnectionSettings()
-        elif isinstance(connection, str):
-            connection = ConnectionSettings(url=SecretStr(connection))
-        elif not isinstance(connection, ConnectionSettings):
-            raise InvalidSettings(
-                "BlockingPublisher", [("connection", "must be a URL or ConnectionSettings")]
-            )
+        connection = ConnectionSettings.of(connection)
         self.settings = settings if settings is not None else PublisherSettings()
         if max_pending is None:
             max_pending = 2 * self.settings.max_in_flight

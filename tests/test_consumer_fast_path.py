@@ -1,0 +1,524 @@
+"""The consumer's fast path: `reliable_mq._inbound`, the dispatcher's intake, batched metrics.
+
+`decode_frame` must give what pamqp gives for every frame, well-formed or not
+(it takes the three frames of a delivery itself and hands the rest to pamqp).
+The intake closes the channel rather than wedge a delivery it could not
+record. Counts kept in plain Python reach Prometheus exactly as direct
+``inc()``/``observe()`` calls would have. Against the real broker: the
+consumer's connection really decodes with `decode_frame` (an aiormq upgrade
+that moves the receiver fails here, not silently), bodies of every size and the
+properties arrive intact, a channel that dies under a running handler cancels
+it (the delivery is counted stale and handled again), and the handler gauge
+follows running handlers while the consumer runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import uuid
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import aio_pika
+import pamqp.frame
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pamqp import commands, heartbeat
+from pamqp.body import ContentBody
+from pamqp.exceptions import PAMQPException
+from pamqp.header import ContentHeader
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
+
+from reliable_mq import ConnectionSettings
+from reliable_mq._inbound import _receiver, decode_frame
+from reliable_mq.consumer import ReliableConsumer
+from reliable_mq.delivery import Delivery
+from reliable_mq.handlers import AckPolicy
+from reliable_mq.metrics import Metrics
+from reliable_mq.testing import TCPProxy
+from reliable_mq.topology import QueueTopology, delete_topology
+
+URL = os.environ.get("RELIABLE_MQ_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
+Basic = commands.Basic
+
+
+def _attributes(frame: Any) -> Any:
+    """A frame as comparable data (pamqp frames compare by identity)."""
+    if isinstance(frame, ContentHeader):
+        props = frame.properties
+        return (
+            "header",
+            frame.class_id,
+            frame.weight,
+            frame.body_size,
+            type(props),
+            {name: getattr(props, name) for name in props.__slots__},
+        )
+    if isinstance(frame, ContentBody):
+        return ("body", frame.value)
+    slots = getattr(frame, "__slots__", ())
+    return (type(frame), {name: getattr(frame, name) for name in slots})
+
+
+def _outcome(decoder: Any, data: bytes) -> Any:
+    try:
+        used, channel, frame = decoder(data)
+    except PAMQPException as exc:
+        return ("error", type(exc))
+    return (used, channel, _attributes(frame))
+
+
+def _ours(data: bytes) -> Any:
+    return decode_frame(data[:7], data[7:])
+
+
+def assert_same(data: bytes) -> None:
+    """``decode_frame`` decodes ``data`` exactly as ``pamqp.frame.unmarshal``."""
+    assert _outcome(_ours, data) == _outcome(pamqp.frame.unmarshal, data)
+
+
+_short = st.text(max_size=40)
+_names = st.from_regex(r"[a-zA-Z0-9_.:-]{0,60}", fullmatch=True)
+_values = st.one_of(
+    st.integers(-(2**31), 2**31 - 1),
+    st.text(max_size=30),
+    st.booleans(),
+    st.none(),
+    st.lists(st.integers(0, 100), max_size=3),
+)
+_tables = st.dictionaries(st.text(min_size=1, max_size=12), _values, max_size=6)
+_timestamps = st.integers(0, 2**32 - 1).map(
+    lambda s: datetime.datetime.fromtimestamp(s, tz=datetime.UTC)
+)
+
+
+@st.composite
+def _properties(draw: st.DrawFn) -> Basic.Properties:
+    def maybe(strategy: st.SearchStrategy[Any]) -> Any:
+        return draw(st.one_of(st.none(), strategy))
+
+    return Basic.Properties(
+        content_type=maybe(_short),
+        content_encoding=maybe(_short),
+        headers=maybe(_tables),
+        delivery_mode=maybe(st.sampled_from([1, 2])),
+        priority=maybe(st.integers(0, 255)),
+        correlation_id=maybe(_short),
+        reply_to=maybe(_short),
+        expiration=maybe(st.from_regex(r"[0-9]{1,9}", fullmatch=True)),
+        message_id=maybe(_short),
+        timestamp=maybe(_timestamps),
+        message_type=maybe(_short),
+        user_id=maybe(_short),
+        app_id=maybe(_short),
+    )
+
+
+_delivers = st.builds(
+    Basic.Deliver,
+    consumer_tag=_short,
+    delivery_tag=st.integers(0, 2**63 - 1),
+    redelivered=st.booleans(),
+    exchange=_names,
+    routing_key=_short,
+)
+_channels = st.integers(0, 65535)
+
+
+class TestDecodeFrame:
+    @settings(max_examples=300, deadline=None)
+    @given(frame=_delivers, channel=_channels)
+    def test_deliver_as_pamqp(self, frame: Basic.Deliver, channel: int) -> None:
+        """basic.deliver: every field as pamqp decodes it (tags up to 2**63 - 1, any text)."""
+        assert_same(pamqp.frame.marshal(frame, channel))
+
+    @settings(max_examples=300, deadline=None)
+    @given(props=_properties(), size=st.integers(0, 2**40), channel=_channels)
+    def test_content_header_as_pamqp(
+        self, props: Basic.Properties, size: int, channel: int
+    ) -> None:
+        """A content header with any mix of properties, tables and timestamps included."""
+        assert_same(pamqp.frame.marshal(ContentHeader(0, size, props), channel))
+
+    @settings(max_examples=100, deadline=None)
+    @given(body=st.binary(min_size=1, max_size=3000), channel=_channels)
+    def test_body_as_pamqp(self, body: bytes, channel: int) -> None:
+        """A body frame's bytes, as they came."""
+        assert_same(pamqp.frame.marshal(ContentBody(body), channel))
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        frame=st.one_of(
+            _delivers,
+            _properties().map(lambda p: ContentHeader(0, 10, p)),
+            st.binary(min_size=1, max_size=50).map(ContentBody),
+        ),
+        data=st.data(),
+    )
+    def test_damaged_frames_as_pamqp(self, frame: Any, data: st.DataObject) -> None:
+        """A frame with a byte changed or cut short: the same frame, or the same error."""
+        raw = bytearray(pamqp.frame.marshal(frame, 1))
+        if data.draw(st.booleans(), label="cut"):
+            length = data.draw(st.integers(7, len(raw) - 1), label="length")
+            head = bytes(raw[:7])
+            assert _outcome(lambda _: decode_frame(head, bytes(raw[7:length])), b"") == (
+                _outcome(pamqp.frame.unmarshal, bytes(raw[:length]))
+            )
+            return
+        index = data.draw(st.integers(7, len(raw) - 1), label="index")
+        raw[index] = data.draw(st.integers(0, 255), label="byte")
+        assert_same(bytes(raw))
+
+    def test_two_flag_words_go_to_pamqp(self) -> None:
+        """A header whose flags continue into a second word is left to pamqp."""
+        raw = bytearray(pamqp.frame.marshal(ContentHeader(0, 5, Basic.Properties()), 3))
+        raw[19:21] = b"\x00\x01"  # continuation bit set; an empty second word follows
+        raw[3:7] = (int.from_bytes(raw[3:7], "big") + 2).to_bytes(4, "big")
+        raw[21:21] = b"\x00\x00"
+        assert_same(bytes(raw))
+
+    @pytest.mark.parametrize(
+        "frame",
+        [
+            Basic.Ack(delivery_tag=7, multiple=True),
+            Basic.Nack(delivery_tag=9, requeue=False),
+            Basic.CancelOk(consumer_tag="ctag"),
+            Basic.Cancel(consumer_tag="ctag", nowait=True),
+            Basic.ConsumeOk(consumer_tag="ctag"),
+            Basic.QosOk(),
+            Basic.Return(reply_code=312, reply_text="NO_ROUTE", exchange="x", routing_key="k"),
+            Basic.GetOk(delivery_tag=1, exchange="", routing_key="q", message_count=3),
+            commands.Channel.Close(406, "PRECONDITION_FAILED", class_id=60, method_id=80),
+            commands.Connection.Close(320, "CONNECTION_FORCED", class_id=0, method_id=0),
+            heartbeat.Heartbeat(),
+        ],
+        ids=lambda f: type(f).__qualname__,
+    )
+    def test_other_frames_as_pamqp(self, frame: Any) -> None:
+        """Every other frame is pamqp's own decoding."""
+        assert_same(pamqp.frame.marshal(frame, 0 if isinstance(frame, heartbeat.Heartbeat) else 5))
+
+    def test_empty_payload_is_pamqps_error(self) -> None:
+        """A body frame of size 0 is refused, as pamqp refuses it."""
+        raw = b"\x03\x00\x01\x00\x00\x00\x00\xce"
+        assert _outcome(_ours, raw) == ("error", pamqp.exceptions.UnmarshalingException)
+        assert_same(raw)
+
+
+class TestIntake:
+    async def test_a_delivery_it_cannot_record_closes_the_channel(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A tag out of order (or any bug while recording) aborts the channel: the
+        broker requeues its deliveries; nothing is left admitted and unsettled."""
+        from reliable_mq._dispatch import Dispatcher
+        from reliable_mq._session import Shared
+        from reliable_mq.settings import ConsumerSettings
+
+        aborted: list[bool] = []
+
+        class _Session:
+            def admit(self, tag: int, task: Any) -> Any:
+                raise ValueError(f"delivery tag {tag} out of order (expected 1)")
+
+            def abort(self) -> None:
+                aborted.append(True)
+
+        route = SimpleNamespace(
+            queue="q", spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR)
+        )
+        dispatcher = Dispatcher(Shared(ConsumerSettings()))
+        on_delivery = dispatcher.intake(route, _Session())  # type: ignore[arg-type]
+        frame = Basic.Deliver("ctag", 5, False, "", "q")
+        with caplog.at_level("ERROR"):
+            on_delivery(frame, Basic.Properties(), b"x")
+        assert aborted == [True]
+        assert "consumer_intake_failed" in caplog.text
+        assert dispatcher.shared.delivered == 0
+
+    async def test_channel_dead_before_the_task_starts(self) -> None:
+        """Deliveries whose channel dies before their task runs: each settled once,
+        as stale, without running the handler; a running one is cancelled."""
+        from reliable_mq._dispatch import Dispatcher
+        from reliable_mq._session import Session, Shared
+        from reliable_mq.settings import ConsumerSettings
+
+        calls: list[str] = []
+
+        async def handler(delivery: Delivery) -> None:
+            calls.append(delivery.message_id)
+            await asyncio.sleep(60)
+
+        shared = Shared(ConsumerSettings())
+        channel = _ClosableChannel()
+        route = SimpleNamespace(
+            queue="q",
+            quorum=False,
+            spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR, decode=None),
+            handler=handler,
+            metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
+            dedup=None,
+            semaphore=None,
+        )
+        session = Session(shared, route, channel)  # type: ignore[arg-type]
+        on_delivery = Dispatcher(shared).intake(route, session)  # type: ignore[arg-type]
+        on_delivery(Basic.Deliver("ctag", 1, False, "", "q"), Basic.Properties(message_id="a"), b"")
+        await asyncio.sleep(0.01)  # the first one's handler is running
+        for tag in (2, 3):
+            props = Basic.Properties(message_id=f"m{tag}")
+            on_delivery(Basic.Deliver("ctag", tag, False, "", "q"), props, b"")
+        channel.is_closed = True  # dies before the tasks of 2 and 3 ran
+        session.interrupt()
+        tasks = [ticket.task for ticket in session.inflight.values()]
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        assert calls == ["a"]
+        assert shared.stale == 3 and shared.acked == 0
+        assert session.inflight == {} and shared.active == 0
+        assert channel.frames == []
+
+
+class _ClosableChannel:
+    """Records settle frames; ``is_closed`` set by the test."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[str, int]] = []
+        self.is_closed = False
+
+    async def basic_ack(self, tag: int, *, multiple: bool, wait: bool = False) -> None:
+        self.frames.append(("ack", tag))
+
+    async def basic_nack(
+        self, tag: int, *, multiple: bool, requeue: bool, wait: bool = False
+    ) -> None:
+        self.frames.append(("nack", tag))
+
+
+class TestQueueMetricsFlush:
+    def test_flushed_counts_equal_direct_calls(self) -> None:
+        """Acks, the running-handlers gauge and every histogram bucket and sum come out
+        as if each had been inc()/observe()d at once."""
+        batched, direct = CollectorRegistry(), CollectorRegistry()
+        ours = Metrics.on(batched).for_queue("q")
+        theirs = Metrics.on(direct).for_queue("q")
+        durations = [0.0, 0.0005, 0.001, 0.003, 0.3, 2.0, 299.0, 300.0, 301.0, 1e9]
+        for seconds in durations:
+            ours.handler_ended(seconds)
+            theirs.duration.observe(seconds)
+        ours.pending_acked += 7
+        theirs.acked.inc(7)
+        ours.handlers_running = 3
+        theirs.in_progress.inc(3)
+        assert _samples(batched) != _samples(direct)  # nothing reached Prometheus yet
+        ours.flush()
+        assert _samples(batched) == _samples(direct)
+        ours.handlers_running = 1
+        theirs.in_progress.dec(2)
+        ours.handler_ended(0.02)
+        theirs.duration.observe(0.02)
+        ours.flush()
+        ours.flush()  # nothing new: changes nothing
+        assert _samples(batched) == _samples(direct)
+
+    def test_two_consumers_of_one_queue_add_up(self) -> None:
+        """Two consumers' counts for one queue on one registry are summed, not overwritten."""
+        registry = CollectorRegistry()
+        first = Metrics.on(registry).for_queue("q")
+        second = Metrics.on(registry).for_queue("q")
+        first.handlers_running, second.handlers_running = 2, 3
+        first.pending_acked, second.pending_acked = 4, 5
+        first.flush()
+        second.flush()
+        assert registry.get_sample_value("reliable_mq_handlers_in_progress", {"queue": "q"}) == 5
+        labels = {"queue": "q", "outcome": "acked"}
+        assert registry.get_sample_value("reliable_mq_consumed_messages_total", labels) == 9
+
+
+def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for metric in registry.collect()
+        for sample in metric.samples
+        if not sample.name.endswith("_created")
+    }
+
+
+# -- against the broker -----------------------------------------------------------
+
+
+class Env:
+    def __init__(self) -> None:
+        self.suffix = uuid.uuid4().hex[:10]
+        self.queue = f"test-inbound-{self.suffix}"
+        self.consumers: list[ReliableConsumer] = []
+
+    def consumer(self, url: str = URL, **overrides: Any) -> ReliableConsumer:
+        settings = ConnectionSettings(
+            url=SecretStr(url),
+            connection_name=f"test-inbound-{self.suffix}",
+            reconnect_initial_delay=0.1,
+            reconnect_max_delay=0.5,
+        )
+        consumer = ReliableConsumer(settings, registry=CollectorRegistry(), **overrides)
+        self.consumers.append(consumer)
+        return consumer
+
+
+@pytest.fixture(name="env")
+async def _env() -> AsyncIterator[Env]:
+    env = Env()
+    yield env
+    connection = await aio_pika.connect(URL)
+    try:
+        channel = await connection.channel()
+        await delete_topology(channel, QueueTopology(env.queue))
+    finally:
+        await connection.close()
+
+
+async def wait_until(condition: Any, timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.rabbitmq
+class TestOnTheBroker:
+    async def test_the_consumer_connection_decodes_with_ours(self, env: Env) -> None:
+        """With the aiormq we support, the consumer's frames go through `decode_frame`."""
+        consumer = env.consumer()
+
+        @consumer.handler(env.queue)
+        async def handle(body: bytes) -> None:
+            return None
+
+        async with consumer:
+            connection = consumer._supervisor.connection
+            assert connection is not None and connection.transport is not None
+            receiver = _receiver(connection.transport.connection)
+            assert receiver is not None, "aiormq's frame receiver was not found"
+            assert "get_frame" in vars(receiver), "the receiver still decodes with aiormq's code"
+
+    async def test_bodies_and_properties_arrive_intact(self, env: Env) -> None:
+        """Empty, one-frame, frame-boundary and multi-frame bodies; every property kept."""
+        frame_body = 131_072 - 8  # the most one body frame holds at the default frame_max
+        bodies = {
+            "empty": b"",
+            "one": b"x",
+            "boundary": os.urandom(frame_body),
+            "boundary+1": os.urandom(frame_body + 1),
+            "large": os.urandom(3 * frame_body + 17),
+        }
+        seen: dict[str, tuple[bytes, Delivery]] = {}
+        consumer = env.consumer()
+
+        @consumer.handler(env.queue)
+        async def handle(body: bytes, delivery: Delivery) -> None:
+            seen[delivery.message_id] = (body, delivery)
+
+        async with consumer:
+            connection = await aio_pika.connect(URL)
+            try:
+                channel = await connection.channel(publisher_confirms=True)
+                for name, body in bodies.items():
+                    await channel.default_exchange.publish(
+                        aio_pika.Message(
+                            body,
+                            message_id=name,
+                            content_type="application/x-test",
+                            correlation_id="corr-é",
+                            reply_to="replies",
+                            headers={"tenant": "ü", "n": 3},
+                        ),
+                        routing_key=env.queue,
+                    )
+            finally:
+                await connection.close()
+            await wait_until(lambda: len(seen) == len(bodies), 20, "every body")
+        for name, body in bodies.items():
+            got, delivery = seen[name]
+            assert got == body, name
+            assert delivery.content_type == "application/x-test"
+            assert delivery.correlation_id == "corr-é"
+            assert delivery.reply_to == "replies"
+            assert dict(delivery.headers) == {"tenant": "ü", "n": 3}
+            assert delivery.routing_key == env.queue and delivery.exchange == ""
+        assert consumer.stats().acked == len(bodies)
+
+    async def test_a_dead_channel_cancels_its_running_handler(self, env: Env) -> None:
+        """A cut connection cancels the handler; the delivery is stale, then handled again."""
+        runs: list[str] = []
+        release = asyncio.Event()
+        async with TCPProxy("127.0.0.1", 5672) as proxy:
+            consumer = env.consumer(f"amqp://guest:guest@127.0.0.1:{proxy.port}/")
+
+            @consumer.handler(env.queue)
+            async def handle(delivery: Delivery) -> None:
+                if not runs:
+                    runs.append("first")
+                    try:
+                        await asyncio.wait_for(release.wait(), 60)
+                    except asyncio.CancelledError:
+                        runs.append("cancelled")
+                        raise
+                    return
+                runs.append("again")
+
+            async with consumer:
+                connection = await aio_pika.connect(URL)
+                try:
+                    channel = await connection.channel(publisher_confirms=True)
+                    await channel.default_exchange.publish(
+                        aio_pika.Message(b"x", message_id="m1"), routing_key=env.queue
+                    )
+                finally:
+                    await connection.close()
+                await wait_until(lambda: runs == ["first"], 20, "the first run")
+                assert await proxy.cut() >= 1
+                await wait_until(lambda: "again" in runs, 30, "the redelivery")
+                stats = consumer.stats()
+        assert runs == ["first", "cancelled", "again"]
+        assert stats.stale == 1
+        assert stats.acked == 1
+        assert stats.in_progress == 0
+
+    async def test_the_handler_gauge_follows_running_handlers(self, env: Env) -> None:
+        """While a handler runs, handlers_in_progress reads 1 (within the flush interval);
+        once it returned, 0, and its duration is in the histogram."""
+        release = asyncio.Event()
+        consumer = env.consumer()
+
+        @consumer.handler(env.queue)
+        async def handle(body: bytes) -> None:
+            await asyncio.wait_for(release.wait(), 60)
+
+        def value(name: str) -> float:
+            registry = consumer._registry
+            assert registry is not None
+            return registry.get_sample_value(name, {"queue": env.queue}) or 0.0
+
+        async with consumer:
+            connection = await aio_pika.connect(URL)
+            try:
+                channel = await connection.channel(publisher_confirms=True)
+                await channel.default_exchange.publish(
+                    aio_pika.Message(b"x", message_id="m1"), routing_key=env.queue
+                )
+            finally:
+                await connection.close()
+            await wait_until(
+                lambda: value("reliable_mq_handlers_in_progress") == 1, 20, "the gauge at 1"
+            )
+            release.set()
+            await wait_until(
+                lambda: value("reliable_mq_handlers_in_progress") == 0, 20, "the gauge at 0"
+            )
+            await wait_until(
+                lambda: value("reliable_mq_handler_duration_seconds_count") == 1, 20, "a duration"
+            )
