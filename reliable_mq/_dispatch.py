@@ -255,6 +255,11 @@ class Dispatcher:
             session.unwatch(ticket)
         if ticket.timed_out:  # the handler swallowed the watchdog's cancel
             return self._timed_out(ticket)
+        task = ticket.task
+        if task is not None and task.cancelling():
+            # It swallowed the cancel of a dead channel or a shutdown: its work was
+            # cut short, not done (never mark the id done). _deliver settles it.
+            raise asyncio.CancelledError
         return _RETURNED
 
     def _cancelled(self, ticket: Ticket, exc: asyncio.CancelledError) -> Cause:

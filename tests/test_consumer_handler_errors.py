@@ -20,6 +20,10 @@
   (``delivery.retry()`` publishing its copy on a slow link): the watchdog used to
   cancel it half-way, so the original was requeued next to its copy, the
   attempt ran twice and ``stats()`` counted no retry.
+* A handler that swallows the ``CancelledError`` it gets when its channel dies
+  (a bare ``except:``) has not succeeded: its delivery runs again once
+  redelivered. (It counted as a success: with de-duplication on, the id was
+  recorded as done and the redelivery skipped; the message was lost.)
 """
 
 from __future__ import annotations
@@ -260,6 +264,52 @@ class TestDeadlineDuringSettle:
         assert returned == [True]
         assert cancelled == [1]
         assert (stats.retried, stats.requeued, stats.duplicates, stats.acked) == (1, 0, 0, 1)
+        assert await drain(env.queue) == []
+
+
+class TestSwallowedCancel:
+    async def test_a_swallowed_cancel_of_a_dead_channel_is_not_a_success(
+        self, env: Env, proxy: TCPProxy
+    ) -> None:
+        """The link is cut while the handler runs; it swallows the cancel and returns:
+        with dedup on (the default) the redelivery still runs; nothing is lost."""
+        consumer = ReliableConsumer(
+            ConnectionSettings(
+                url=SecretStr(proxied_url(proxy)),
+                connection_name=env.queue,
+                reconnect_initial_delay=0.05,
+            ),
+            registry=env.registry,
+            prefetch=5,
+            retry_delays=(0.05,),
+            handler_timeout=30.0,
+        )
+        runs: list[tuple[int, bool]] = []
+        done: list[bool] = []
+        running = asyncio.Event()
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            runs.append((delivery.attempt, delivery.redelivered))
+            if len(runs) == 1:
+                running.set()
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    return  # swallowed: the work was not done
+            done.append(delivery.redelivered)
+
+        env.track(consumer)
+        async with consumer:
+            assert consumer.dedup is not None
+            await env.publish([b"x"], ids=["cut"])
+            await asyncio.wait_for(running.wait(), 10)
+            assert await proxy.cut() > 0
+            await wait_until(lambda: done == [True], 10, "the redelivery handled")
+            await wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            stats = consumer.stats()
+        assert runs == [(1, False), (1, True)]
+        assert (stats.duplicates, stats.stale, stats.acked, stats.channel_reopens) == (0, 1, 1, 1)
         assert await drain(env.queue) == []
 
 
