@@ -319,8 +319,10 @@ def _same(expected: Terminal, got: Terminal, message: MessageSpec, config: Confi
     if (expected.reason, expected.attempts) != (got.reason, got.attempts):
         return False
     if expected.reason == DeadLetterReason.INVALID_BODY:
+        json_type = message.content_type is None or "json" in message.content_type.lower()
         if message.body_kind is BodyKind.ITEM13 and config.annotation is Annotation.MODEL:
-            return got.error_type == "KeyError"
+            # The validator's own KeyError; unless the content type was refused first.
+            return got.error_type == ("KeyError" if json_type else "BodyDecodeError")
         return bool(got.error_type)
     return expected.error_type == got.error_type
 
