@@ -506,6 +506,29 @@ class Faults:
 
         await asyncio.gather(*(one(i, a) for i, a in enumerate(actions)))
 
+    def then_publisher_reopens(
+        self, action: Callable[[], Awaitable[Any]]
+    ) -> Callable[[], Awaitable[None]]:
+        """``action``, then wait until the publisher has opened a newer channel.
+
+        A fault that strikes while the publisher is still reconnecting finds no
+        channel of its own to break, so without this wait the number of channel
+        generations a scenario may assert depends on timing (CI once saw four
+        closes and four generations, not five). With it, each fault finds the
+        publisher connected, and each of the first ``min_times`` (which all
+        finish before :attr:`enough` is set) adds at least one generation.
+        """
+
+        async def run() -> None:
+            since = self.publisher.stats().channel_generation
+            await action()
+            await wait_for(
+                lambda: self.stop.is_set() or self.publisher.stats().channel_generation > since,
+                30,
+            )
+
+        return run
+
 
 class StreamRun:
     """What :func:`run_stream` observed."""

@@ -33,7 +33,8 @@ class TestNetworkFaults:
         ):
 
             async def faults(ctx: Faults) -> None:
-                await ctx.repeat(pub_proxy.cut, con_proxy.cut, low=0.3, high=0.8, min_times=10)
+                cut_publisher = ctx.then_publisher_reopens(pub_proxy.cut)
+                await ctx.repeat(cut_publisher, con_proxy.cut, low=0.3, high=0.8, min_times=10)
 
             run = await run_stream(
                 "cut storm",
@@ -55,7 +56,7 @@ class TestNetworkFaults:
             await asyncio.to_thread(fault_node.close_all_connections, "fault suite")
 
         async def faults(ctx: Faults) -> None:
-            await ctx.repeat(close_all, low=0.2, high=0.6, min_times=4)
+            await ctx.repeat(ctx.then_publisher_reopens(close_all), low=0.2, high=0.6, min_times=4)
 
         run = await run_stream("server closes", fault_node.url, faults=faults, min_messages=5000)
         check(run)
