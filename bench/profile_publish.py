@@ -308,6 +308,8 @@ async def main(args: argparse.Namespace) -> None:
         named = ", ".join(f"{k} x{v}" for k, v in sorted(counts.task_names.items()))
         print(f"Tasks: {named}")
     result: dict[str, Any] = {
+        "bench": "profile_publish",
+        "label": found["label"],
         "api": args.api,
         "messages": n,
         "window": args.window,
