@@ -28,6 +28,10 @@ message, not skipping.
     .venv/bin/python bench/consume.py                          # 20,000 per mode, 3 rounds
     .venv/bin/python bench/consume.py --messages 2000 --rounds 1   # a quick check
     .venv/bin/python bench/consume.py --all --json consume.json
+
+It prints which reliable_mq it imported (path and commit) and records it in the
+JSON with ``--label``; with ``PYTHONPATH`` pointing at an older reliable_mq it
+measures that one (see docs/performance.md, "Reproduce").
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+import _provenance
 import aio_pika
 import aiormq
 import pika
@@ -54,6 +59,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from pamqp.commands import Basic
 from prometheus_client import CollectorRegistry
 
+import reliable_mq
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.dedup import DedupStore, SQLiteDedupStore
 from reliable_mq.topology import QueueTopology, declare_topology, delete_topology
@@ -326,6 +332,8 @@ def _median(values: list[float | None]) -> float | None:
 
 
 async def main(args: argparse.Namespace) -> None:
+    origin = _provenance.origin(reliable_mq, args.label)
+    print(_provenance.describe(origin), flush=True)
     names = [name for name, (_, _, default) in MODES.items() if default or args.all]
     samples: dict[str, list[Sample]] = {name: [] for name in names}
     skipped: dict[str, str] = {}
@@ -356,7 +364,7 @@ async def main(args: argparse.Namespace) -> None:
         f"consume: {args.messages:,} persistent {args.size}-byte messages per mode, prefetch "
         f"{args.prefetch}, {args.rounds} interleaved round(s), medians; loop: {loop_name}; "
         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
-        f"({os.cpu_count()} CPUs)"
+        f"({os.cpu_count()} CPUs)\n{_provenance.describe(origin)}"
     )
     header = (
         f"{'mode':<40} {'msgs/s':>9} {'vs aio-pika auto':>17} {'vs pika auto':>13} "
@@ -393,6 +401,9 @@ async def main(args: argparse.Namespace) -> None:
         with open(args.json, "w") as out:  # noqa: ASYNC230 - once, after the measurements
             json.dump(
                 {
+                    "bench": "consume",
+                    "label": origin["label"],
+                    "reliable_mq": origin,
                     "messages": args.messages,
                     "prefetch": args.prefetch,
                     "size": args.size,
@@ -417,6 +428,7 @@ def cli() -> None:
         "--all", action="store_true", help="also the reference and dedup-store rows"
     )
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop (if installed)")
+    parser.add_argument("--label", help="a name for this run in the JSON (default: the commit)")
     parser.add_argument("--json", help="also write the medians to this file")
     args = parser.parse_args()
     if args.uvloop:

@@ -10,9 +10,12 @@ median rate, the ratio against aio-pika *unconfirmed* and against pika
 time of this process and of the broker's ``beam.smp``, divided by messages).
 
     python bench/publish.py [--messages 20000] [--window 1000] [--rounds 3] [--uvloop]
-                            [--json results.json]
+                            [--label after] [--json results.json]
 
-``--json`` writes the medians for ``bench/plot.py`` (the chart in docs/performance.md).
+``--json`` writes the medians for ``bench/plot.py`` and ``bench/report.py`` (the
+chart and the tables in docs/performance.md), with the reliable_mq it imported
+(path, commit) and ``--label``. With ``PYTHONPATH`` pointing at an older
+reliable_mq it measures that one (see docs/performance.md, "Reproduce").
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import _provenance
 import aio_pika
 import pika
 from prometheus_client import CollectorRegistry
@@ -212,6 +216,8 @@ def _median(values: list[float | None]) -> float | None:
 
 
 async def main(args: argparse.Namespace) -> None:
+    origin = _provenance.origin(reliable_mq, args.label)
+    print(_provenance.describe(origin), flush=True)
     samples: dict[str, list[Sample]] = {name: [] for name in VARIANTS}
     for _ in range(args.rounds):
         for name, (run, _) in VARIANTS.items():
@@ -223,7 +229,7 @@ async def main(args: argparse.Namespace) -> None:
     print(
         f"publish: {args.messages} persistent {len(BODY)}-byte messages per run, durable queue, "
         f"window {args.window}, {args.rounds} interleaved round(s), medians; loop: {loop_name}; "
-        f"threads: {threading.active_count()}\nreliable_mq from {os.path.dirname(reliable_mq.__file__)}"
+        f"threads: {threading.active_count()}\n{_provenance.describe(origin)}"
     )
     header = (
         f"{'variant':<40} {'confirms':>8} {'msgs/s':>9} {'vs aio-pika':>12} "
@@ -232,9 +238,9 @@ async def main(args: argparse.Namespace) -> None:
     print(header)
     print("-" * len(header))
     rows = []
-    for name, found in samples.items():
-        client = _median([s.client_us for s in found])
-        broker = _median([s.broker_us for s in found])
+    for name, found_samples in samples.items():
+        client = _median([s.client_us for s in found_samples])
+        broker = _median([s.broker_us for s in found_samples])
         confirmed = "yes" if VARIANTS[name][1] else "no"
         broker_text = f"{broker:>14.1f}" if broker is not None else f"{'n/a':>14}"
         print(
@@ -250,12 +256,16 @@ async def main(args: argparse.Namespace) -> None:
                 "vs_pika": rates[name] / pik,
                 "client_us": client,
                 "broker_us": broker,
+                "rounds": [s.__dict__ for s in found_samples],
             }
         )
     if args.json:
         with open(args.json, "w") as out:  # noqa: ASYNC230 - once, after the measurements
             json.dump(
                 {
+                    "bench": "publish",
+                    "label": origin["label"],
+                    "reliable_mq": origin,
                     "messages": args.messages,
                     "window": args.window,
                     "rounds": args.rounds,
@@ -273,6 +283,7 @@ def cli() -> None:
     parser.add_argument("--window", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians")
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop (if installed)")
+    parser.add_argument("--label", help="a name for this run in the JSON (default: the commit)")
     parser.add_argument("--json", help="also write the medians to this file")
     args = parser.parse_args()
     if args.uvloop:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from reliable_mq import ConnectionSettings, PublisherSettings, ReliablePublisher
+from reliable_mq import ConnectionSettings, Message, PublisherSettings, ReliablePublisher
 from reliable_mq.testing import TCPProxy
 from tests.conftest import proxied_url, wait_until
 from tests.support.amqp import drain_queue
@@ -52,6 +53,38 @@ async def test_100k_messages_stay_inside_the_window_and_memory_is_flat(
         stats = publisher.stats()
     assert stats.max_in_flight_seen <= 1000
     assert stats.confirmed == 105_000
+    growth = peak - baseline
+    assert growth < 50 * 1024 * 1024, f"RSS grew by {growth / 1e6:.1f} MB"
+
+
+async def test_publish_many_of_100k_keeps_memory_flat(broker_url: str, queue: str) -> None:
+    """publish_many() of 100,000 with a window of 1,000: the input is read lazily, never more
+    than the window unconfirmed, RSS grows < 50 MB."""
+    settings = PublisherSettings(max_in_flight=1000)
+    body = b"x" * 256
+    total = 100_000
+    async with ReliablePublisher(
+        conn(broker_url), settings=settings, registry=CollectorRegistry()
+    ) as publisher:
+        await publisher.publish_many(Message(body, routing_key=queue) for _ in range(5000))
+        gc.collect()
+        baseline = rss_bytes()
+        peak = baseline
+        most_in_flight = 0
+
+        def source() -> Iterator[Message]:
+            nonlocal peak, most_in_flight
+            for index in range(total):
+                most_in_flight = max(most_in_flight, publisher.in_flight)
+                if index % 5000 == 0:
+                    peak = max(peak, rss_bytes())
+                yield Message(body, routing_key=queue)
+
+        result = await asyncio.wait_for(publisher.publish_many(source()), 180)
+        peak = max(peak, rss_bytes())
+        stats = publisher.stats()
+    assert result.confirmed == total and not result.failures
+    assert most_in_flight <= 1000 and stats.max_in_flight_seen <= 1000
     growth = peak - baseline
     assert growth < 50 * 1024 * 1024, f"RSS grew by {growth / 1e6:.1f} MB"
 

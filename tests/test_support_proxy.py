@@ -74,6 +74,31 @@ async def test_unreachable_target_drops_client() -> None:
         assert tcp_proxy.active_connections == 0
 
 
+async def test_traffic_counts_reads_and_bytes_per_direction() -> None:
+    """Each direction's forwarded reads and bytes are counted; a blackhole forwards nothing."""
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data.upper())
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    target = server.sockets[0].getsockname()[1]
+    async with server, TCPProxy("127.0.0.1", target) as tcp_proxy:
+        assert tcp_proxy.traffic == (0, 0, 0, 0)
+        reader, writer = await asyncio.open_connection(*tcp_proxy.address)
+        for chunk in (b"one", b"three", b"fifteen"):
+            writer.write(chunk)
+            assert await asyncio.wait_for(reader.readexactly(len(chunk)), 5) == chunk.upper()
+        assert tcp_proxy.traffic == (3, 15, 3, 15)
+        assert tcp_proxy.traffic.to_upstream_bytes == 15
+        tcp_proxy.set_blackhole(True)
+        writer.write(b"lost")
+        await asyncio.sleep(0.1)
+        assert tcp_proxy.traffic == (3, 15, 3, 15)
+        writer.close()
+
+
 @pytest.mark.rabbitmq
 async def test_cut_closes_connection_and_new_ones_work(proxy: TCPProxy) -> None:
     connection = await aio_pika.connect(proxied_url(proxy), timeout=5)

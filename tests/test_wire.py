@@ -254,3 +254,73 @@ class TestConfirmTracker:
         assert tracker.outstanding() == ["a", "c"]
         assert tracker.drain() == ["a", "c"]
         assert len(tracker) == 0 and tracker.oldest() is None
+
+
+_ops = st.lists(
+    st.one_of(
+        st.just(("add", 0, False)),
+        st.tuples(st.just("settle"), st.integers(min_value=-2, max_value=60), st.booleans()),
+    ),
+    max_size=120,
+)
+
+
+class TestConfirmTrackerModel:
+    @settings(max_examples=300, deadline=None)
+    @given(ops=_ops)
+    def test_matches_a_dictionary_of_outstanding_tags(
+        self, ops: list[tuple[str, int, bool]]
+    ) -> None:
+        """Any mix of publishes and (multiple) acks settles what a plain tag -> item map would."""
+        tracker: ConfirmTracker[int] = ConfirmTracker()
+        model: dict[int, int] = {}
+        next_tag = 1
+        for op, tag, multiple in ops:
+            if op == "add":
+                assert tracker.add(next_tag * 10) == next_tag
+                model[next_tag] = next_tag * 10
+                next_tag += 1
+                continue
+            if multiple:
+                expected = [model.pop(t) for t in sorted(model) if t <= tag]
+            else:
+                expected = [model.pop(tag)] if tag in model else []
+            assert tracker.settle(tag, multiple) == expected
+            assert len(tracker) == len(model)
+            assert tracker.next_tag == next_tag
+            assert tracker.outstanding() == [model[t] for t in sorted(model)]
+            assert tracker.oldest() == (model[min(model)] if model else None)
+        assert tracker.drain() == [model[t] for t in sorted(model)]
+        assert len(tracker) == 0 and tracker.next_tag == next_tag
+
+    def test_one_multiple_ack_settles_a_whole_window(self) -> None:
+        """10,000 publishes, one ack with multiple=true: all settled, in order, nothing kept."""
+        tracker: ConfirmTracker[int] = ConfirmTracker()
+        for n in range(10_000):
+            tracker.add(n)
+        assert tracker.settle(10_000, multiple=True) == list(range(10_000))
+        assert len(tracker) == 0 and tracker.oldest() is None
+        assert not tracker._items  # no per-tag residue
+        assert tracker.add(-1) == 10_001
+
+    def test_single_acks_in_any_order_leave_nothing_behind(self) -> None:
+        """Single acks in reverse order leave holes until the front is acked, then none."""
+        tracker: ConfirmTracker[int] = ConfirmTracker()
+        for n in range(1, 101):
+            tracker.add(n)
+        for tag in range(100, 1, -1):
+            assert tracker.settle(tag, multiple=False) == [tag]
+        assert tracker.oldest() == 1 and len(tracker) == 1
+        assert tracker.settle(1, multiple=False) == [1]
+        assert not tracker._items
+        assert tracker.next_tag == 101
+
+    def test_a_multiple_ack_below_the_front_settles_nothing(self) -> None:
+        """A stale multiple ack (tag already passed) resolves no newer publish."""
+        tracker: ConfirmTracker[str] = ConfirmTracker()
+        for x in "abcd":
+            tracker.add(x)
+        assert tracker.settle(2, multiple=True) == ["a", "b"]
+        assert tracker.settle(2, multiple=True) == []
+        assert tracker.settle(1, multiple=True) == []
+        assert tracker.outstanding() == ["c", "d"]

@@ -4,7 +4,7 @@
 blackhole the link, so a test can prove what happens when the network fails.
 """
 
-from ._proxy import TCPProxy
+from ._proxy import TCPProxy, Traffic
 from .oracle import LossOracle, OracleReport
 
-__all__ = ("LossOracle", "OracleReport", "TCPProxy")
+__all__ = ("LossOracle", "OracleReport", "TCPProxy", "Traffic")

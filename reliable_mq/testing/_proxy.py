@@ -3,18 +3,38 @@
 `TCPProxy` sits between a client and a broker and can cut every connection at
 once, silently drop traffic (a blackhole), hold traffic (a stall), or refuse
 new connections. It uses asyncio protocols, so it adds little overhead and can
-carry tens of thousands of AMQP frames per second.
+carry tens of thousands of AMQP frames per second. It also counts what it
+forwards in each direction (`TCPProxy.traffic`), so a test can see how many
+reads a client's writes arrived in.
 """
 
 from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import TypeVar, cast
+from typing import NamedTuple, TypeVar, cast
 
-__all__ = ("TCPProxy",)
+__all__ = ("TCPProxy", "Traffic")
 
 _ProxyT = TypeVar("_ProxyT", bound="TCPProxy")
+
+
+class Traffic(NamedTuple):
+    """What a `TCPProxy` forwarded so far, per direction, over all its connections.
+
+    A *read* is one chunk the proxy received from a socket and forwarded. The
+    kernel may join several writes of the sender into one read, or split a
+    large one, so reads only approximate the sender's writes; bytes are exact.
+    """
+
+    to_upstream_reads: int
+    """Chunks read from clients and forwarded to the upstream (the broker)."""
+    to_upstream_bytes: int
+    """Bytes forwarded from clients to the upstream."""
+    to_client_reads: int
+    """Chunks read from the upstream and forwarded to clients."""
+    to_client_bytes: int
+    """Bytes forwarded from the upstream to clients."""
 
 
 class _Pair:
@@ -91,6 +111,13 @@ class _Endpoint(asyncio.Protocol):
                 self.transport.abort()
         elif not peer.transport.is_closing():
             peer.transport.write(data)
+            proxy = self._proxy
+            if self.is_client:
+                proxy._up_reads += 1
+                proxy._up_bytes += len(data)
+            else:
+                proxy._down_reads += 1
+                proxy._down_bytes += len(data)
 
     def eof_received(self) -> bool:
         self.eof = True
@@ -173,6 +200,7 @@ class TCPProxy:
         """Client connections accepted and proxied so far (refused ones excluded)."""
         self.refused_total = 0
         """Client connections closed on arrival because refusing was on."""
+        self._up_reads = self._up_bytes = self._down_reads = self._down_bytes = 0
 
     # -- lifecycle -------------------------------------------------------
 
@@ -243,6 +271,14 @@ class TCPProxy:
     def active_connections(self) -> int:
         """Connection pairs currently open (or still connecting upstream)."""
         return len(self._pairs)
+
+    @property
+    def traffic(self) -> Traffic:
+        """Reads and bytes forwarded so far in each direction (a snapshot).
+
+        Blackholed bytes are not counted: they were not forwarded.
+        """
+        return Traffic(self._up_reads, self._up_bytes, self._down_reads, self._down_bytes)
 
     @property
     def is_running(self) -> bool:
