@@ -6,7 +6,8 @@ dropped without ``close()`` still has its submitted messages confirmed at
 exit. At exit, every publisher still open in this process is closed: all of
 them start closing at once, and each is given at most its ``exit_timeout``
 plus `EXIT_MARGIN` seconds. In a forked child, every publisher forgets the
-parent's loop thread and connection (they belong to the parent) and
+parent's loop thread and connection (they belong to the parent), drops the
+child's copies of their file descriptors without sending anything, and
 reconnects on first use: the same thing SQLAlchemy's ``dispose(close=False)``
 and redis-py's pid check do.
 """

@@ -70,8 +70,8 @@ class BlockingPublisher:
 
     After ``os.fork()`` (a pre-forking server such as gunicorn ``--preload``)
     the child opens its own loop thread and connection on first use, named
-    ``<connection_name>.fork<pid>``; it never touches the parent's. At
-    interpreter exit, a
+    ``<connection_name>.fork<pid>``; it never touches the parent's, and drops
+    its copies of the parent's socket descriptors. At interpreter exit, a
     publisher that connected and was not closed is closed, even if nothing
     references it any more: messages still unconfirmed get ``exit_timeout``
     seconds, and the whole close takes at most ``exit_timeout`` + 2 seconds.
@@ -499,10 +499,15 @@ class BlockingPublisher:
 
         Called by the fork hook (and by a pid check, as a fallback). The
         parent's objects are kept referenced, never used: closing them here
-        would run finalizers against a loop whose thread is gone. New message
-        ids get a new random prefix, so parent and child never share one.
+        would run finalizers against a loop whose thread is gone. The child's
+        copies of their file descriptors (the broker socket, the loop's
+        selector and wake-up pipe) are pointed at ``/dev/null``: nothing is
+        sent, the parent's connection is untouched, and the child holds no
+        reference to it. New message ids get a new random prefix, so parent
+        and child never share one.
         """
         if self._runtime is not None:
+            self._runtime.thread.drop_fds_in_child()
             _process.orphan(self._runtime)
             self._runtime = None
             _process.release(self)
