@@ -226,6 +226,60 @@ class TestStreaming:
             body = json.loads(message.body)
             assert set(body) == {"timestamp", "value"}
 
+    def test_stop_after_current_batch_cuts_no_batch(
+        self, spark: SparkSession, broker_url: str, spark_queue: str, tmp_path: Path
+    ) -> None:
+        """Called while a batch is being published, it returns after that batch: every batch
+        in the queue is whole, and nothing is published after it returns.
+
+        Each micro-batch has exactly ROWS rows (rate-micro-batch source); batches run every
+        2 s and take part of that, so a batch is in progress when stop is called.
+        """
+        rows = 3000
+        register_data_source(spark)
+        stream = (
+            spark.readStream.format("rate-micro-batch")
+            .option("rowsPerBatch", rows)
+            .option("numPartitions", 2)
+            .load()
+        )
+        query = (
+            stream.writeStream.format("rabbitmq")
+            .option("url", broker_url)
+            .option("routing_key", spark_queue)
+            .option("id_namespace", f"t-{spark_queue}")
+            .option("publisher.max_in_flight", "20")  # slower batches: easier to stop mid-way
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .trigger(processingTime="2 seconds")
+            .start()
+        )
+        done_before: list[int] = []
+
+        def in_progress() -> bool:
+            """A trigger is active, and stays so for 0.2 s with no new progress: a batch runs."""
+            done = len(_spark_batches(query))
+            if done < 2 or not query.status["isTriggerActive"]:
+                return False
+            time.sleep(0.2)
+            if query.status["isTriggerActive"] and len(_spark_batches(query)) == done:
+                done_before.append(done)
+                return True
+            return False
+
+        try:
+            _wait(in_progress, 90, "a batch in progress after 2 batches", query)
+        finally:
+            assert stop_after_current_batch(query, timeout=60)
+        assert not query.isActive
+        messages = drain_queue_sync(broker_url, spark_queue)
+        time.sleep(1.0)
+        assert drain_queue_sync(broker_url, spark_queue, idle_timeout=0.3) == []
+        published = Counter(m.headers[HEADER_BATCH_ID] for m in messages)
+        assert set(published.values()) == {rows}, published  # every batch whole
+        assert published == _spark_batches(query)
+        assert len(published) > done_before[0]  # the batch in progress finished first
+        assert len({m.message_id for m in messages}) == len(messages)
+
     def test_sink_stop_waits_for_the_batch_in_progress(
         self, spark: SparkSession, broker_url: str, spark_queue: str, tmp_path: Path
     ) -> None:
