@@ -12,7 +12,7 @@ to measure, with that root on ``PYTHONPATH`` (Spark's workers put their working
 directory first on ``sys.path``, the driver takes ``PYTHONPATH``)::
 
     cd /work/main && PYTHONPATH=$PWD .venv/bin/python bench/spark_publish.py --label after
-    git archive <old commit> | tar -x -C /tmp/rmq-before
+    mkdir -p /tmp/rmq-before && git archive <old commit> | tar -x -C /tmp/rmq-before
     cd /tmp/rmq-before && PYTHONPATH=$PWD /work/main/.venv/bin/python \
         /work/main/bench/spark_publish.py --label before
     # options: --rows 200000 (default) --partitions 2 --repeat 3

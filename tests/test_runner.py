@@ -158,6 +158,43 @@ def _publish(url: str, queue: str, ids: list[str]) -> None:
         publisher.publish_many(Message(b"m", routing_key=queue, message_id=i) for i in ids)
 
 
+WORKER_ORPHAN_BOUND = 10.0
+"""Seconds within which a worker exits once its supervisor is gone: up to one 1 s
+heartbeat to notice, then the drain of an idle consumer (1.5 s measured on a
+shared 2-core machine)."""
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (orphans are reaped by whoever adopts them)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _queue_counts(url: str, queue: str) -> tuple[int, int]:
+    """(ready messages, consumers) of ``queue``, from a passive declare."""
+
+    async def go() -> tuple[int, int]:
+        connection = await aio_pika.connect(url)
+        async with connection:
+            channel = await connection.channel()
+            declared = await channel.declare_queue(queue, passive=True)
+            result = declared.declaration_result
+            return result.message_count or 0, result.consumer_count or 0
+
+    return run_sync(go)
+
+
+def _ready_messages(url: str, queue: str) -> int:
+    return _queue_counts(url, queue)[0]
+
+
+def _consumers(url: str, queue: str) -> int:
+    return _queue_counts(url, queue)[1]
+
+
 class TestTargets:
     @pytest.mark.parametrize(
         ("target", "message"),
@@ -276,6 +313,66 @@ class TestWorkers:
         assert report["workers"][0]["last_exit"] == -signal.SIGKILL
         assert report["workers"][1]["pid"] == first["workers"][1]["pid"]  # the other one lives on
         assert runner.stop() == 0, runner.tail()
+
+    def test_workers_exit_when_the_supervisor_is_killed(
+        self, start_runner: Callable[..., Runner], broker_url: str, rqueue: str
+    ) -> None:
+        """SIGKILL the supervisor alone: each worker sees its status pipe break,
+        drains and exits within WORKER_ORPHAN_BOUND seconds; nobody consumes after."""
+        runner = start_runner(
+            f"{TARGET}:consumer", "--workers", "2", "--metrics-port", "0", RUNNER_TEST_QUEUE=rqueue
+        )
+        runner.wait_port()
+        report = wait_for(lambda: (r := runner.readiness()) and r["ready"] and r, 90, "readiness")
+        pids = [worker["pid"] for worker in report["workers"]]
+        assert _consumers(broker_url, rqueue) == 2
+        os.kill(runner.process.pid, signal.SIGKILL)  # the supervisor only, not its group
+        killed = time.monotonic()
+        runner.process.wait(30)
+        wait_for(
+            lambda: not any(_alive(pid) for pid in pids),
+            WORKER_ORPHAN_BOUND,
+            "the orphaned workers to exit",
+        )
+        took = time.monotonic() - killed
+        events = runner.events()
+        gone = {e["pid"] for e in events if e.get("event") == "supervisor_gone"}
+        stopped = {e["pid"] for e in events if e.get("event") == "worker_stopped"}
+        assert gone == stopped == set(pids), runner.tail()
+        assert _consumers(broker_url, rqueue) == 0
+        assert took < WORKER_ORPHAN_BOUND
+
+    def test_a_worker_that_ignores_the_drain_is_killed_after_the_graceful_timeout(
+        self, start_runner: Callable[..., Runner], broker_url: str, rqueue: str
+    ) -> None:
+        """SIGTERM with a handler that never ends: SIGKILL after --graceful-timeout, exit 1,
+        and the broker requeues the delivery the killed worker held."""
+        graceful = 3.0
+        runner = start_runner(
+            f"{TARGET}:stubborn",
+            "--metrics-port",
+            "0",
+            "--graceful-timeout",
+            str(graceful),
+            RUNNER_TEST_QUEUE=rqueue,
+        )
+        runner.wait_port()
+        report = wait_for(lambda: (r := runner.readiness()) and r["ready"] and r, 90, "readiness")
+        [pid] = [worker["pid"] for worker in report["workers"]]
+        _publish(broker_url, rqueue, ["stuck"])
+        wait_for(lambda: _ready_messages(broker_url, rqueue) == 0, 30, "the delivery")
+        runner.process.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        code = runner.process.wait(60)
+        took = time.monotonic() - asked
+        assert code == 1, runner.tail()
+        assert graceful <= took < graceful + 10, took
+        assert not _alive(pid)
+        events = [e.get("event") for e in runner.events()]
+        assert "worker_draining" in events and "workers_not_drained" in events, runner.tail()
+        assert "worker_stopped" not in events  # it never finished its drain
+        [message] = drain_queue_sync(broker_url, rqueue)
+        assert (message.message_id, message.redelivered) == ("stuck", True)
 
     def test_readiness_follows_the_broker_connection(
         self, start_runner: Callable[..., Runner], rqueue: str

@@ -168,6 +168,56 @@ class TestPublishSpec:
         with pytest.raises(InvalidSettings, match="routingkey: unknown option"):
             PublishSpec.from_options({"url": "amqp://127.0.0.1/", "routingkey": "q"})
 
+    def test_options_for_routing_bodies_names_and_ids(self) -> None:
+        """exchange, routing_key_column, body_column, columns, connection_name, ids=position."""
+        by_column = PublishSpec.from_options(
+            {
+                "url": "amqp://127.0.0.1/",
+                "exchange": "amq.topic",
+                "Routing_Key_Column": "region",
+                "id_namespace": "ns",
+                "body_column": "payload",
+                "connection_name": "orders-export",
+                "ids": "position",
+            }
+        )
+        assert (by_column.exchange, by_column.routing_key, by_column.routing_key_column) == (
+            "amq.topic",
+            None,
+            "region",
+        )
+        assert (by_column.body_column, by_column.columns) == ("payload", None)
+        assert by_column.ids is IdScheme.POSITION
+        assert by_column.connection_name == "orders-export"
+        assert by_column.connection.connection_name == "orders-export"
+        with_columns = PublishSpec.from_options(
+            {
+                "url": "amqp://127.0.0.1/",
+                "routing_key": "q",
+                "id_namespace": "ns",
+                "columns": '["order_id", "amount"]',
+                "connection_name": "orders-export",
+                "connection.heartbeat": "5",  # dotted settings keep the connection name
+            }
+        )
+        assert with_columns.columns == ("order_id", "amount")
+        assert with_columns.body_column is None and with_columns.exchange == ""
+        assert with_columns.connection.connection_name == "orders-export"
+        assert with_columns.connection.heartbeat == 5
+        with pytest.raises(InvalidSettings, match="give exactly one of routing_key"):
+            PublishSpec.from_options(
+                {
+                    "url": "amqp://127.0.0.1/",
+                    "id_namespace": "ns",
+                    "routing_key_column": "r",
+                    "routing_key": "q",
+                }
+            )
+        with pytest.raises(InvalidSettings, match="ids: must be one of"):
+            PublishSpec.from_options(
+                {"url": "amqp://127.0.0.1/", "id_namespace": "ns", "routing_key": "q", "ids": "pos"}
+            )
+
 
 _ORDER_SCHEMA = StructType(
     [

@@ -14,81 +14,120 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 pytest.importorskip("pyspark")
 
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import TimestampType
 
 from reliable_mq import InvalidBody
 from reliable_mq.spark import (
     DuplicateKeys,
+    NonFinite,
     NullKey,
     PublishSpec,
     UnsupportedSchema,
     message_id_for,
     publish_dataframe,
+    register_data_source,
 )
+from reliable_mq.spark._encode import body_encoder
+from reliable_mq.spark._zones import zone_named
 from tests.support.amqp import DrainedMessage, drain_queue_sync
 
 pytestmark = [pytest.mark.spark, pytest.mark.rabbitmq]
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "spark.md"
 
-# (Spark type as docs name it, SQL expression, JSON text in the body, header value)
+
+class Case(NamedTuple):
+    """One row of the type matrix in docs/spark.md."""
+
+    spark_type: str
+    """The Spark type, as the docs name it."""
+    sql: str
+    """The value, as a SQL expression."""
+    body: str
+    """Its JSON text in our body."""
+    to_json: str | None
+    """Its JSON text in Spark's own ``to_json`` (None: ``to_json`` omits the field)."""
+    header: Any
+    """Its AMQP header value, as read back."""
+
+    def docs_row(self) -> str:
+        to_json = "omitted" if self.to_json is None else f"`{self.to_json}`"
+        return f"| `{self.spark_type}` | `{self.sql}` | `{self.body}` | {to_json} | `{self.header!r}` |"
+
+
 # The session time zone is Europe/Berlin; 2024-10-27 is the DST fall-back day there.
-MATRIX: list[tuple[str, str, str, Any]] = [
-    ("BOOLEAN", "true", "true", True),
-    ("TINYINT", "CAST(-7 AS TINYINT)", "-7", -7),
-    ("SMALLINT", "CAST(300 AS SMALLINT)", "300", 300),
-    ("INT", "2147483647", "2147483647", 2147483647),
-    ("BIGINT", "9007199254740993", "9007199254740993", 9007199254740993),
-    ("FLOAT", "CAST(1.1 AS FLOAT)", "1.1", 1.100000023841858),
-    ("DOUBLE", "0.1D", "0.1", 0.1),
-    ("DOUBLE", "1e16D", "1e+16", 1e16),
-    ("DECIMAL(20,7)", "CAST('0.0000001' AS DECIMAL(20,7))", "0.0000001", "0.0000001"),
-    (
+MATRIX: list[Case] = [
+    Case("BOOLEAN", "true", "true", "true", True),
+    Case("TINYINT", "CAST(-7 AS TINYINT)", "-7", "-7", -7),
+    Case("SMALLINT", "CAST(300 AS SMALLINT)", "300", "300", 300),
+    Case("INT", "2147483647", "2147483647", "2147483647", 2147483647),
+    Case("BIGINT", "9007199254740993", "9007199254740993", "9007199254740993", 9007199254740993),
+    Case("FLOAT", "CAST(1.1 AS FLOAT)", "1.1", "1.1", 1.100000023841858),
+    Case("FLOAT", "CAST(1e10 AS FLOAT)", "1.0e10", "1.0E10", 1e10),
+    Case("DOUBLE", "0.1D", "0.1", "0.1", 0.1),
+    Case("DOUBLE", "1e7D", "10000000.0", "1.0E7", 1e7),
+    Case("DOUBLE", "1e16D", "1e+16", "1.0E16", 1e16),
+    Case("DOUBLE", "1e-5D", "1e-05", "1.0E-5", 1e-5),
+    Case("DECIMAL(20,7)", "CAST('0.0000001' AS DECIMAL(20,7))", "0.0000001", "1E-7", "0.0000001"),
+    Case(
         "DECIMAL(38,18)",
         "CAST('12345678901234567890.123456789012345678' AS DECIMAL(38,18))",
         "12345678901234567890.123456789012345678",
         "12345678901234567890.123456789012345678",
+        "12345678901234567890.123456789012345678",
     ),
-    ("DECIMAL(5,2)", "CAST(1.5 AS DECIMAL(5,2))", "1.50", "1.50"),
-    ("STRING", "concat('\"é', char(10), '<')", '"\\"é\\n<"', '"é\n<'),
-    ("BINARY", "X'00FF'", '"AP8="', b"\x00\xff"),
-    ("DATE", "DATE'2024-02-29'", '"2024-02-29"', "2024-02-29"),
-    (
+    Case("DECIMAL(5,2)", "CAST(1.5 AS DECIMAL(5,2))", "1.50", "1.50", "1.50"),
+    Case("STRING", "concat('\"é', char(10), '<')", '"\\"é\\n<"', '"\\"é\\n<"', '"é\n<'),
+    Case("BINARY", "X'00FF'", '"AP8="', '"AP8="', b"\x00\xff"),
+    Case("DATE", "DATE'2024-02-29'", '"2024-02-29"', '"2024-02-29"', "2024-02-29"),
+    Case(
         "TIMESTAMP",
         "TIMESTAMP'2024-10-27 00:30:00.123456 UTC'",
         '"2024-10-27T02:30:00.123456+02:00"',
+        '"2024-10-27T02:30:00.123+02:00"',
         "2024-10-27T02:30:00.123456+02:00",
     ),
-    (
+    Case(
         "TIMESTAMP",
         "TIMESTAMP'2024-10-27 01:30:00 UTC'",
         '"2024-10-27T02:30:00.000000+01:00"',
+        '"2024-10-27T02:30:00.000+01:00"',
         "2024-10-27T02:30:00.000000+01:00",
     ),
-    (
+    Case(
         "TIMESTAMP_NTZ",
         "TIMESTAMP_NTZ'2024-10-27 02:30:00.5'",
         '"2024-10-27T02:30:00.500000"',
+        '"2024-10-27T02:30:00.500"',
         "2024-10-27T02:30:00.500000",
     ),
-    ("ARRAY<INT>", "array(1, NULL, 3)", "[1,null,3]", "[1,null,3]"),
-    ("MAP<STRING,INT>", "map('b', 1, 'a', 2)", '{"a":2,"b":1}', '{"a":2,"b":1}'),
-    ("MAP<INT,STRING>", "map(2, 'x')", '{"2":"x"}', '{"2":"x"}'),
-    (
+    Case("ARRAY<INT>", "array(1, NULL, 3)", "[1,null,3]", "[1,null,3]", "[1,null,3]"),
+    Case(
+        "MAP<STRING,INT>", "map('b', 1, 'a', 2)", '{"a":2,"b":1}', '{"b":1,"a":2}', '{"a":2,"b":1}'
+    ),
+    Case("MAP<INT,STRING>", "map(2, 'x')", '{"2":"x"}', '{"2":"x"}', '{"2":"x"}'),
+    Case(
         "STRUCT<x:INT,y:STRING>",
         "named_struct('x', 1, 'y', CAST(NULL AS STRING))",
         '{"x":1,"y":null}',
+        '{"x":1}',
         '{"x":1,"y":null}',
     ),
-    ("STRING (null)", "CAST(NULL AS STRING)", "null", None),
-    ("VOID", "NULL", "null", None),
+    Case("STRING (null)", "CAST(NULL AS STRING)", "null", None, None),
+    Case("VOID", "NULL", "null", None, None),
 ]
+
+MATRIX_HEADER = (
+    "| Spark type | value (SQL) | in the JSON body | Spark's `to_json` "
+    "| AMQP header value (Python, as read back) |"
+)
 
 UNSUPPORTED = [
     "INTERVAL '1' DAY",
@@ -138,8 +177,20 @@ def _strict(body: bytes) -> Any:
 
 
 def _matrix_df(spark: SparkSession) -> DataFrame:
-    columns = ", ".join(f"{sql} AS c{i:02d}" for i, (_, sql, _, _) in enumerate(MATRIX))
+    columns = ", ".join(f"{case.sql} AS c{i:02d}" for i, case in enumerate(MATRIX))
     return spark.sql(f"SELECT {columns}")
+
+
+def _docs_matrix() -> list[str]:
+    """The rows of the type matrix table in docs/spark.md."""
+    lines = DOCS.read_text().splitlines()
+    assert lines.count(MATRIX_HEADER) == 1, "the type matrix header changed"
+    rows = []
+    for line in lines[lines.index(MATRIX_HEADER) + 2 :]:  # past the |---| line
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
 
 
 class TestTypeMatrix:
@@ -148,24 +199,57 @@ class TestTypeMatrix:
     def test_bodies_and_headers_of_every_type(
         self, spark: SparkSession, broker_url: str, spark_queue: str
     ) -> None:
-        """The body is strict JSON; each value has the documented text and header value."""
+        """Through publish_dataframe (pickled rows) and format("rabbitmq") (Arrow batches):
+        the body is strict JSON, each value has the documented text and header value,
+        and both paths give the row one message id."""
+        register_data_source(spark)
         with session_time_zone(spark, "Europe/Berlin"):
             df = _matrix_df(spark)
             spec = _spec(broker_url, spark_queue, header_columns=df.columns)
             publish_dataframe(df, spec)
-        [message] = drain_queue_sync(broker_url, spark_queue)
-        expected = ",".join(f'"c{i:02d}":{body}' for i, (_, _, body, _) in enumerate(MATRIX))
-        assert message.body.decode() == "{" + expected + "}"
-        _strict(message.body)
-        headers = {f"c{i:02d}": header for i, (_, _, _, header) in enumerate(MATRIX)}
-        assert {name: message.headers[name] for name in headers} == headers
+            (
+                df.write.format("rabbitmq")
+                .mode("append")
+                .option("url", broker_url)
+                .option("routing_key", spark_queue)
+                .option("id_namespace", spec.id_namespace)
+                .option("header_columns", ",".join(df.columns))
+                .save()
+            )
+        by_function, by_format = drain_queue_sync(broker_url, spark_queue)
+        expected = ",".join(f'"c{i:02d}":{case.body}' for i, case in enumerate(MATRIX))
+        headers = {f"c{i:02d}": case.header for i, case in enumerate(MATRIX)}
+        for message in (by_function, by_format):
+            assert message.body.decode() == "{" + expected + "}"
+            _strict(message.body)
+            assert {name: message.headers[name] for name in headers} == headers
+        assert by_function.message_id == by_format.message_id
+
+    def test_spark_to_json_is_as_documented(self, spark: SparkSession) -> None:
+        """The docs' to_json column is what Spark's own to_json writes (this Spark, local)."""
+        with session_time_zone(spark, "Europe/Berlin"):
+            columns = ", ".join(
+                f"to_json(named_struct('v', {case.sql})) AS j{i:02d}"
+                for i, case in enumerate(MATRIX)
+            )
+            [row] = spark.sql(f"SELECT {columns}").collect()
+        written = [None if text == "{}" else text[len('{"v":') : -1] for text in row]
+        assert written == [case.to_json for case in MATRIX]
+
+    def test_a_zero_offset_is_plus_zero_where_spark_writes_z(self, spark: SparkSession) -> None:
+        """As docs/spark.md says: at offset zero the body has +00:00, to_json has Z."""
+        instant = "TIMESTAMP'2024-01-01 00:00:00 UTC'"
+        with session_time_zone(spark, "UTC"):
+            [row] = spark.sql(
+                f"SELECT {instant} AS t, to_json(named_struct('t', {instant})) AS j"
+            ).collect()
+        assert row.j == '{"t":"2024-01-01T00:00:00.000Z"}'
+        encode = body_encoder(TimestampType(), "t", zone_named("UTC"), NonFinite.ERROR)
+        assert encode(row.t) == '"2024-01-01T00:00:00.000000+00:00"'
 
     def test_the_docs_show_the_tested_matrix(self) -> None:
-        """docs/spark.md lists exactly these types, values, bodies and headers."""
-        text = DOCS.read_text()
-        for spark_type, sql, body, header in MATRIX:
-            row = f"| `{spark_type}` | `{sql}` | `{body}` | `{header!r}` |"
-            assert text.count(row) == 1, row
+        """docs/spark.md's table has exactly these rows, in this order: none missing, none stale."""
+        assert _docs_matrix() == [case.docs_row() for case in MATRIX]
 
     def test_unsupported_types_fail_on_the_driver_before_any_job(
         self, spark: SparkSession, broker_url: str, spark_queue: str

@@ -127,7 +127,11 @@ class TestFork:
     def test_a_forked_child_publishes_on_its_own_connection(
         self, broker_url: str, squeue: str
     ) -> None:
-        """The child reconnects under its own name; the parent's connection is untouched."""
+        """The child reconnects under its own name, holding no fd of the parent's connection.
+
+        The parent's connection is untouched: the same TCP connection on the
+        broker before, during and after the child, never reconnected.
+        """
         name = f"test-fork-{uuid.uuid4().hex[:8]}"
         process = subprocess.Popen(
             [sys.executable, "-m", "tests.support.fork_publish", broker_url, squeue, name],
@@ -156,6 +160,11 @@ class TestFork:
             assert set(during) == {parent_name, child["connection"]}
             assert during[parent_name] == before[parent_name]  # the same TCP connection
             assert during[child["connection"]] != before[parent_name]
+            # The child dropped its copy of the parent's socket at the fork (pointed
+            # at /dev/null: nothing sent), and holds only the socket it opened itself.
+            assert len(first["sockets"]) == 1, first
+            assert child["sockets_at_fork"] == [], child
+            assert len(child["sockets"]) == 1 and child["sockets"] != first["sockets"], child
             process.stdin.write("go\n")
             process.stdin.flush()
             after = json.loads(process.stdout.readline())
@@ -163,6 +172,7 @@ class TestFork:
             assert after["child_exit"] == 0
             assert (after["connection"], after["attempts"]) == (parent_name, 1)
             assert (after["generation"], after["republished"]) == (1, 0)  # never reconnected
+            assert after["sockets"] == first["sockets"]  # the same socket, still open
             assert process.wait(timeout=60) == 0
         finally:
             with contextlib.suppress(ProcessLookupError):

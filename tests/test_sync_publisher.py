@@ -35,6 +35,7 @@ from reliable_mq import (
     WouldDeadlock,
 )
 from reliable_mq.sync import BlockingPublisher
+from reliable_mq.sync._process import EXIT_MARGIN
 from tests.support.amqp import drain_queue_sync, run_sync
 from tests.support.private_node import free_port
 from tests.support.threaded_proxy import ThreadedProxy
@@ -369,35 +370,71 @@ class TestLifeCycle:
 
 _EXIT_SCRIPT = textwrap.dedent(
     """
-    import sys
+    import atexit, gc, sys, time
     from reliable_mq import ConnectionSettings
     from reliable_mq.sync import BlockingPublisher
 
-    url, queue, count, exit_timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    url, queue, count, exit_timeout, mode = sys.argv[1:6]
+    if mode == "hang":  # a close that never ends by itself
+        import asyncio
+        from reliable_mq.sync._runtime import Runtime
+
+        async def never(self, wait):
+            await asyncio.sleep(3600)
+
+        Runtime.close = never
+    # atexit runs hooks last-in first-out: these two bracket the publisher's hook.
+    atexit.register(lambda: print("closed", time.monotonic(), flush=True))
     publisher = BlockingPublisher(
-        ConnectionSettings(url=url, connection_name="test-sync-exit"), exit_timeout=exit_timeout
+        ConnectionSettings(url=url, connection_name="test-sync-exit"),
+        exit_timeout=float(exit_timeout),
     )
+    atexit.register(lambda: print("closing", time.monotonic(), flush=True))
     publisher.publish(b"first", routing_key=queue, message_id="first")
     print("ready", flush=True)
     sys.stdin.readline()
-    for n in range(count):
+    for n in range(int(count)):
         publisher.submit(b"x", routing_key=queue, message_id=f"exit-{n}")
+    if mode == "drop":  # the last reference goes, unclosed
+        import weakref
+
+        ref = weakref.ref(publisher)
+        del publisher
+        gc.collect()
+        print("dropped", ref() is None, flush=True)
     # no close(): the atexit hook must flush what was submitted, or give up in time
     """
 )
 
 
 def _run_exit_script(
-    url: str, queue: str, count: int, exit_timeout: float
+    url: str, queue: str, count: int, exit_timeout: float, mode: str = "plain"
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", _EXIT_SCRIPT, url, queue, str(count), str(exit_timeout)],
+        [sys.executable, "-c", _EXIT_SCRIPT, url, queue, str(count), str(exit_timeout), mode],
         cwd=ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _finish(process: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """Wait for the script, then read all its output (with what ``readline`` buffered)."""
+    assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+    process.stdin.close()
+    try:
+        process.wait(timeout)
+    finally:
+        process.kill()
+    return process.stdout.read(), process.stderr.read()
+
+
+def _close_seconds(out: str) -> float:
+    """How long the at-exit close took, from the bracketing hooks' timestamps."""
+    times = dict(line.split() for line in out.splitlines() if line.startswith("clos"))
+    return float(times["closed"]) - float(times["closing"])
 
 
 class TestInterpreterExit:
@@ -409,23 +446,54 @@ class TestInterpreterExit:
             ["first", *(f"exit-{n}" for n in range(500))]
         )
 
-    def test_exit_does_not_hang_on_a_stalled_link(self, broker_url: str, squeue: str) -> None:
-        """With the link stalled, the process still exits, after about exit_timeout."""
+    def test_a_dropped_unclosed_publisher_is_flushed_at_exit(
+        self, broker_url: str, squeue: str
+    ) -> None:
+        """Submit, drop the last reference, exit: every message is confirmed.
+
+        The link is stalled while the script submits and exits, so no confirm can
+        arrive before the exit hook runs: the hook must find the publisher and wait.
+        """
         with ThreadedProxy(5672) as proxy:
-            process = _run_exit_script(proxy.url, squeue, 10, 1.0)
+            process = _run_exit_script(proxy.url, squeue, 500, 30, "drop")
             assert process.stdout is not None and process.stdin is not None
             assert process.stdout.readline().strip() == "ready"
             proxy.set_stall(True)
-            started = time.monotonic()
             process.stdin.write("go\n")
             process.stdin.flush()
             try:
-                process.wait(timeout=90)
+                assert process.stdout.readline().startswith("dropped")
+                time.sleep(1.0)  # the script is in its exit hook by now
             finally:
-                process.kill()
                 proxy.set_stall(False)
-            assert process.returncode == 0, process.stderr.read()[-3000:] if process.stderr else ""
-            assert time.monotonic() - started < 60
+            out, err = _finish(process, 120)
+        assert process.returncode == 0, err[-3000:]
+        assert sorted(_ids(broker_url, squeue)) == sorted(  # type: ignore[type-var]
+            ["first", *(f"exit-{n}" for n in range(500))]
+        )
+        assert _close_seconds(out) >= 0.5  # the exit hook waited for the confirms
+
+    @pytest.mark.parametrize("mode", ["plain", "hang"])
+    def test_exit_does_not_hang_on_a_stalled_link(
+        self, broker_url: str, squeue: str, mode: str
+    ) -> None:
+        """With the link stalled (or a close that never ends), the at-exit close takes
+        at most exit_timeout + EXIT_MARGIN seconds, and the process exits."""
+        exit_timeout = 1.0
+        with ThreadedProxy(5672) as proxy:
+            process = _run_exit_script(proxy.url, squeue, 10, exit_timeout, mode)
+            assert process.stdout is not None and process.stdin is not None
+            assert process.stdout.readline().strip() == "ready"
+            proxy.set_stall(True)
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            try:
+                out, err = _finish(process, 60)
+            finally:
+                proxy.set_stall(False)
+        assert process.returncode == 0, err[-3000:]
+        took = _close_seconds(out)
+        assert exit_timeout <= took <= exit_timeout + EXIT_MARGIN, (took, err[-3000:])
 
 
 def test_env_settings_are_used(monkeypatch: pytest.MonkeyPatch, broker_url: str) -> None:

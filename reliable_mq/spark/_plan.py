@@ -47,8 +47,8 @@ __all__ = (
     "plan_publish",
 )
 
-# The wire contract of Spark messages. They move to reliable_mq/headers.py once
-# that module is on main.
+# The Spark headers of the wire contract, defined in reliable_mq/headers.py;
+# re-exported under these names by reliable_mq.spark.
 HEADER_PARTITION = SPARK_PARTITION_HEADER
 HEADER_TASK_ATTEMPT = SPARK_TASK_ATTEMPT_HEADER
 HEADER_BATCH_ID = SPARK_BATCH_ID_HEADER

@@ -8,7 +8,11 @@ public functions of `reliable_mq.spark`:
   (`plan_publish`) and checks the destination (`check_destination`), so a bad
   schema or a missing queue fails before any task runs;
 * each task gets Arrow batches and runs `publish_partition` on them
-  (`arrow_rows`): the same publishing path as `publish_dataframe`;
+  (`arrow_rows`): the same publishing path as `publish_dataframe`. When key
+  columns may hold null, the task first reads its whole partition and checks
+  them (the driver's `check_keys` job is not available to a data source), so a
+  null key stops the partition before anything of it is published; see
+  `_Spool`;
 * each task's `PartitionStats` comes back as its commit message; ``commit``
   raises a deterministic failure (unroutable...) on the driver with
   `raise_for_stats`, so no Spark task retries are spent on it.
@@ -25,12 +29,17 @@ df.write.format("rabbitmq").mode("append").option("url", url)  # ...options... .
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
-from collections.abc import Iterator
+import os
+import tempfile
+from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import (
     DataSource,
@@ -42,7 +51,8 @@ from pyspark.sql.types import StructType
 
 from ..errors import InvalidSettings
 from ._driver import check_destination, raise_for_stats
-from ._partition import PartitionStats, publish_partition
+from ._errors import NullKey
+from ._partition import PartitionStats, current_task, publish_partition
 from ._plan import PublishPlan, arrow_rows, plan_publish
 from ._spec import IdScheme, PublishSpec
 
@@ -124,12 +134,137 @@ class StatsMessage(WriterCommitMessage):
 
 def _publish_batches(plan: PublishPlan, batches: Iterator[pa.RecordBatch]) -> StatsMessage:
     first = next(batches, None)
-    if first is not None and plan.spec.time_zone is None:
+    if first is None:
+        return StatsMessage(publish_partition(plan, ()))  # no connection opened
+    if plan.spec.time_zone is None:
         zone = _session_zone(first.schema)
         if zone is not None:  # Arrow carries spark.sql.session.timeZone
             plan = dataclasses.replace(plan, time_zone=zone)
-    chained = itertools.chain(() if first is None else (first,), batches)
-    return StatsMessage(publish_partition(plan, arrow_rows(chained)))
+    chained = itertools.chain((first,), batches)
+    checked = _null_checked_keys(plan)
+    if not checked:
+        return StatsMessage(publish_partition(plan, arrow_rows(chained)))
+    with _Spool() as spool:
+        null_key = spool.fill(chained, checked)
+        if null_key is not None:
+            task = current_task()
+            return StatsMessage(
+                PartitionStats(
+                    task.partition, task.attempt, task.batch_id, 0, 0, 0, 0, 0.0, null_key
+                )
+            )
+        return StatsMessage(publish_partition(plan, arrow_rows(spool.batches())))
+
+
+def _null_checked_keys(plan: PublishPlan) -> list[tuple[str, int]]:
+    """(name, position) of the key columns that must be checked for nulls.
+
+    None when nulls are allowed, nor for columns the schema declares non-nullable
+    (as the driver's `check_keys` skips them).
+    """
+    spec, schema = plan.spec, plan.schema
+    if spec.allow_null_keys:
+        return []
+    positions = {name: i for i, name in enumerate(schema.fieldNames())}
+    return [(name, positions[name]) for name in spec.key_columns if schema[name].nullable]
+
+
+SPOOL_MEMORY = 64 * 1024 * 1024
+"""Bytes of Arrow batches a task holds in memory while it reads its partition
+to check the key columns; past that, the batches go to a file on the executor's
+local disk (``SPARK_LOCAL_DIRS``)."""
+
+
+class _Spool:
+    """A partition's Arrow batches, held while all of them are checked, then replayed.
+
+    Holds up to ``memory`` bytes of batches in memory. Past that, every batch
+    (those held first, in order) goes to an Arrow IPC stream file on the
+    executor's local disk, read back one batch at a time: memory stays bounded
+    whatever the partition's size. The file is removed on exit.
+
+    Args:
+        memory: bytes of batches kept in memory at most.
+    """
+
+    def __init__(self, memory: int = SPOOL_MEMORY) -> None:
+        self._memory = memory
+        self._held: deque[pa.RecordBatch] = deque()
+        self._bytes = 0
+        self.path: str | None = None
+        """The spill file, once batches went to disk."""
+        self._sink: Any = None
+        self._writer: Any = None
+
+    def __enter__(self) -> _Spool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._seal()
+        self._held.clear()
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+
+    def fill(
+        self, batches: Iterable[pa.RecordBatch], checked: list[tuple[str, int]]
+    ) -> NullKey | None:
+        """Take every batch; the first null in a ``checked`` column stops it, as a `NullKey`."""
+        rows = 0
+        for batch in batches:
+            for name, position in checked:
+                column = batch.column(position)
+                if column.null_count:
+                    index = rows + pc.index(column.is_null(), True).as_py()
+                    return NullKey(
+                        f"key column {name!r} is null in row {index} of partition "
+                        f"{current_task().partition}; rows with null keys would share message "
+                        "ids (set allow_null_keys=True to publish them anyway). Nothing of "
+                        "this partition was published"
+                    )
+            rows += batch.num_rows
+            self._add(batch)
+        self._seal()
+        return None
+
+    def _add(self, batch: pa.RecordBatch) -> None:
+        if self._writer is None and self._bytes + batch.nbytes <= self._memory:
+            self._held.append(batch)
+            self._bytes += batch.nbytes
+            return
+        if self._writer is None:
+            fd, self.path = tempfile.mkstemp(
+                prefix="reliable_mq-spool-", suffix=".arrows", dir=_local_dir()
+            )
+            os.close(fd)
+            self._sink = pa.OSFile(self.path, "wb")
+            self._writer = pa.ipc.new_stream(self._sink, batch.schema)
+            while self._held:
+                self._writer.write_batch(self._held.popleft())
+            self._bytes = 0
+        self._writer.write_batch(batch)
+
+    def _seal(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._sink.close()
+            self._writer = self._sink = None
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        """The batches in the order taken, each released once consumed."""
+        while self._held:
+            yield self._held.popleft()
+        if self.path is not None:
+            with pa.OSFile(self.path, "rb") as source:
+                yield from pa.ipc.open_stream(source)
+
+
+def _local_dir() -> str | None:
+    """The executor's first local directory (``SPARK_LOCAL_DIRS``), else the temp directory."""
+    for path in os.environ.get("SPARK_LOCAL_DIRS", "").split(","):
+        if path and os.path.isdir(path):
+            return path
+    return None
 
 
 def _session_zone(schema: pa.Schema) -> str | None:

@@ -83,6 +83,26 @@ class LoopThread:
             coro.close()
             raise
 
+    def drop_fds_in_child(self) -> None:
+        """In a forked child: point the parent's loop's descriptors at ``/dev/null``.
+
+        The child's copies of the loop's sockets (its connections, the wake-up
+        pipe) and of its selector are replaced with ``dup2``: the child no
+        longer holds the parent's connection open, and nothing is sent on it
+        (the parent's copy keeps the socket alive). The descriptor numbers stay
+        taken, so a finalizer of the abandoned objects can never close a
+        descriptor the child opens later.
+        """
+        if self.pid == os.getpid() or self.loop.is_closed():
+            return
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for fd in _loop_fds(self.loop) - {null}:
+                with contextlib.suppress(OSError):
+                    os.dup2(null, fd, inheritable=False)
+        finally:
+            os.close(null)
+
     def stop(self, timeout: float) -> bool:
         """Stop the loop, cancel leftovers and join the thread for ``timeout`` s at most.
 
@@ -93,3 +113,30 @@ class LoopThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+
+def _loop_fds(loop: asyncio.AbstractEventLoop) -> set[int]:
+    """The open descriptors a selector event loop owns (CPython's private attributes).
+
+    Only descriptors known to be open: registered with the selector, held by
+    a live transport's socket, the loop's self-pipe, the selector itself. A
+    number taken from a closed socket could belong to something else by now.
+    """
+    fds: set[int] = set()
+    selector = getattr(loop, "_selector", None)
+    if selector is not None:
+        with contextlib.suppress(Exception):
+            fds.update(key.fd for key in selector.get_map().values())
+        with contextlib.suppress(Exception):
+            fds.add(selector.fileno())
+    transports = getattr(loop, "_transports", None) or {}
+    for transport in list(transports.values()):
+        with contextlib.suppress(Exception):
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                fds.add(sock.fileno())
+    for name in ("_ssock", "_csock"):
+        sock = getattr(loop, name, None)
+        if sock is not None:
+            fds.add(sock.fileno())
+    return {fd for fd in fds if fd >= 0}

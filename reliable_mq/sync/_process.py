@@ -1,11 +1,15 @@
 """Process-wide hooks of the blocking publishers: interpreter exit and fork.
 
-Installed on the first ``BlockingPublisher()``, never at import. At exit,
-every publisher running in this process is closed (bounded by its
-``exit_timeout``). In a forked child, every publisher forgets the parent's
-loop thread and connection (they belong to the parent) and reconnects on
-first use: the same thing SQLAlchemy's ``dispose(close=False)`` and redis-py's
-pid check do.
+Installed on the first ``BlockingPublisher()``, never at import. A publisher
+that has connected is held by a strong reference until it is closed, so one
+dropped without ``close()`` still has its submitted messages confirmed at
+exit. At exit, every publisher still open in this process is closed: all of
+them start closing at once, and each is given at most its ``exit_timeout``
+plus `EXIT_MARGIN` seconds. In a forked child, every publisher forgets the
+parent's loop thread and connection (they belong to the parent), drops the
+child's copies of their file descriptors without sending anything, and
+reconnects on first use: the same thing SQLAlchemy's ``dispose(close=False)``
+and redis-py's pid check do.
 """
 
 from __future__ import annotations
@@ -15,12 +19,18 @@ import contextlib
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ._publisher import BlockingPublisher
 
-__all__ = ("orphan", "track")
+__all__ = ("EXIT_MARGIN", "hold", "orphan", "release", "track")
+
+EXIT_MARGIN = 2.0
+"""Seconds past ``exit_timeout`` an at-exit close may take at most (closing the
+connection, stopping the loop thread). After that the process exits anyway:
+the loop thread is a daemon."""
 
 
 class _Registry:
@@ -28,6 +38,8 @@ class _Registry:
 
     def __init__(self) -> None:
         self.instances: weakref.WeakSet[BlockingPublisher] = weakref.WeakSet()
+        self.open: set[BlockingPublisher] = set()
+        """Publishers with a runtime in this process, not closed yet (strong references)."""
         self.orphans: list[object] = []
         self.lock = threading.Lock()
         self.installed = False
@@ -46,18 +58,39 @@ def track(publisher: BlockingPublisher) -> None:
             os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def hold(publisher: BlockingPublisher) -> None:
+    """Keep ``publisher`` alive until `release`: it has a connection to close at exit."""
+    with _registry.lock:
+        _registry.open.add(publisher)
+
+
+def release(publisher: BlockingPublisher) -> None:
+    """``publisher`` is closed (or lost its parent's runtime in a child): drop the hold."""
+    with _registry.lock:
+        _registry.open.discard(publisher)
+
+
 def orphan(runtime: object) -> None:
     """Keep a parent's runtime referenced in the child, unused and never finalized."""
     _registry.orphans.append(runtime)
 
 
 def _close_all_at_exit() -> None:
-    for publisher in list(_registry.instances):
+    with _registry.lock:
+        publishers = list(_registry.open)
+    finishing: list[Callable[[], None]] = []
+    for publisher in publishers:  # every close starts before any is waited for
         with contextlib.suppress(Exception):
-            publisher._close_at_exit()
+            finish = publisher._start_close_at_exit()
+            if finish is not None:
+                finishing.append(finish)
+    for finish in finishing:
+        with contextlib.suppress(Exception):
+            finish()
 
 
 def _after_fork_in_child() -> None:
     _registry.lock = threading.Lock()  # a parent thread may have held it at fork time
     for publisher in list(_registry.instances):
         publisher._after_fork_in_child()
+    _registry.open.clear()  # the parent's runtimes are orphans here; nothing to close at exit

@@ -17,6 +17,7 @@ import math
 import os
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -69,9 +70,11 @@ class BlockingPublisher:
 
     After ``os.fork()`` (a pre-forking server such as gunicorn ``--preload``)
     the child opens its own loop thread and connection on first use, named
-    ``<connection_name>.fork<pid>``; it never touches the parent's. At
-    interpreter exit, an unclosed publisher is closed: messages still
-    unconfirmed get ``exit_timeout`` seconds.
+    ``<connection_name>.fork<pid>``; it never touches the parent's, and drops
+    its copies of the parent's socket descriptors. At interpreter exit, a
+    publisher that connected and was not closed is closed, even if nothing
+    references it any more: messages still unconfirmed get ``exit_timeout``
+    seconds, and the whole close takes at most ``exit_timeout`` + 2 seconds.
 
     Args:
         connection: an AMQP URL (several, comma separated, fail over), or
@@ -83,7 +86,8 @@ class BlockingPublisher:
         metrics_prefix: the metric name prefix.
         max_pending: messages from ``submit()`` not yet final, at most;
             ``submit()`` blocks beyond that (default: twice ``settings.max_in_flight``).
-        exit_timeout: seconds an unclosed publisher waits for confirms at exit.
+        exit_timeout: seconds an unclosed publisher waits for confirms at exit
+            (the close then gets 2 more seconds at most).
 
     Raises:
         InvalidSettings: a setting or argument is invalid.
@@ -177,6 +181,17 @@ class BlockingPublisher:
         else:
             wait = check_timeout(timeout)
         self._refuse_loop_thread("close()")
+        closed, runtime = self._begin_close()
+        if runtime is None:  # closed already, or another caller is closing it
+            closed.wait(wait + _RESULT_GRACE)
+            return
+        now = time.monotonic()
+        self._finish_close(
+            closed, runtime, self._submit_close(runtime, wait), now + wait + _RESULT_GRACE, 5.0
+        )
+
+    def _begin_close(self) -> tuple[threading.Event, Runtime | None]:
+        """Mark the publisher closing; the runtime to close, unless another caller has it."""
         with self._lock:
             self._forget_parent_if_forked()
             runtime, self._runtime = self._runtime, None
@@ -187,26 +202,51 @@ class BlockingPublisher:
             if runtime is None and not self._closing:
                 self._state = PublisherState.CLOSED
                 closed.set()  # never started (or start failed): nothing to close
+                _process.release(self)
             self._closing = True
-        if runtime is None:  # closed already, or another caller is closing it
-            closed.wait(wait + _RESULT_GRACE)
-            return
+        return closed, runtime
+
+    def _submit_close(
+        self, runtime: Runtime, wait: float
+    ) -> concurrent.futures.Future[None] | None:
+        """Start closing on the loop thread (None: its loop is closed already)."""
         try:
-            self._close_runtime(runtime, wait)
+            return runtime.thread.submit(runtime.close(wait))
+        except RuntimeError:
+            return None
+
+    def _finish_close(
+        self,
+        closed: threading.Event,
+        runtime: Runtime,
+        done: concurrent.futures.Future[None] | None,
+        result_by: float,
+        join: float,
+    ) -> None:
+        """Wait for the close until ``result_by`` (monotonic), then stop the loop thread.
+
+        The thread is given ``join`` seconds to end; past that it is left
+        behind (a daemon, it never keeps the process alive).
+        """
+        try:
+            while done is not None and not done.done() and runtime.thread.alive:
+                left = result_by - time.monotonic()
+                if left <= 0:
+                    self._log.warning("close_incomplete", error="no outcome in time")
+                    break
+                concurrent.futures.wait([done], timeout=min(left, 0.25))
+            if done is not None and done.done() and not done.cancelled():
+                error = done.exception()
+                if error is not None:  # past this point, closing is best effort
+                    self._log.warning("close_incomplete", error=repr(error))
+            runtime.dead = True
+            if not runtime.thread.stop(timeout=join):
+                self._log.warning("loop_thread_stuck", thread=runtime.thread.name)
+            runtime.sweep()
         finally:
             self._state = PublisherState.CLOSED
             closed.set()
-
-    def _close_runtime(self, runtime: Runtime, wait: float) -> None:
-        done = runtime.thread.submit(runtime.close(wait))
-        try:
-            done.result(timeout=wait + _RESULT_GRACE)
-        except Exception as exc:  # past this point, closing is best effort
-            self._log.warning("close_incomplete", error=repr(exc))
-        runtime.dead = True
-        if not runtime.thread.stop(timeout=5.0):
-            self._log.warning("loop_thread_stuck", thread=runtime.thread.name)
-        runtime.sweep()
+            _process.release(self)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every message handed over by ``publish()``/``submit()`` is final.
@@ -420,6 +460,7 @@ class BlockingPublisher:
             runtime = self._start_runtime()
             self._runtime = runtime
             self._state = PublisherState.OPEN
+            _process.hold(self)  # closed at exit even if the caller drops it unclosed
             return runtime
 
     def _start_runtime(self) -> Runtime:
@@ -458,12 +499,18 @@ class BlockingPublisher:
 
         Called by the fork hook (and by a pid check, as a fallback). The
         parent's objects are kept referenced, never used: closing them here
-        would run finalizers against a loop whose thread is gone. New message
-        ids get a new random prefix, so parent and child never share one.
+        would run finalizers against a loop whose thread is gone. The child's
+        copies of their file descriptors (the broker socket, the loop's
+        selector and wake-up pipe) are pointed at ``/dev/null``: nothing is
+        sent, the parent's connection is untouched, and the child holds no
+        reference to it. New message ids get a new random prefix, so parent
+        and child never share one.
         """
         if self._runtime is not None:
+            self._runtime.thread.drop_fds_in_child()
             _process.orphan(self._runtime)
             self._runtime = None
+            _process.release(self)
         self._last_runtime = None  # the parent's counters are not this process's
         if self._state is PublisherState.OPEN:
             self._state = PublisherState.IDLE
@@ -473,11 +520,26 @@ class BlockingPublisher:
             update={"connection_name": f"{base}.fork{self._pid}"}
         )
 
-    def _close_at_exit(self) -> None:
-        """The ``atexit`` hook's part: close if open in this process, bounded."""
+    def _start_close_at_exit(self) -> Callable[[], None] | None:
+        """The ``atexit`` hook's part: start closing; return what waits for the end.
+
+        The returned function returns at most ``exit_timeout`` +
+        ``EXIT_MARGIN`` seconds after this was called, whatever the link does.
+        """
         if self._pid != os.getpid() or self._state is not PublisherState.OPEN:
-            return
-        self.close(timeout=self._exit_timeout)
+            return None
+        started = time.monotonic()
+        closed, runtime = self._begin_close()
+        if runtime is None:
+            return None
+        done = self._submit_close(runtime, self._exit_timeout)
+        end = started + self._exit_timeout + _process.EXIT_MARGIN
+        join = _process.EXIT_MARGIN / 4
+
+        def finish() -> None:
+            self._finish_close(closed, runtime, done, end - join, join)
+
+        return finish
 
 
 def _no_outcome(message_id: str) -> PublishTimeout:

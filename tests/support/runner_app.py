@@ -3,11 +3,15 @@
 ``RUNNER_TEST_QUEUE``: the queue; ``RUNNER_TEST_OUT``: a folder where each
 handled message id is appended to ``<pid>.log`` before the handler returns
 (so before its ack); ``RUNNER_TEST_SLEEP``: seconds each handler takes.
+
+``stubborn`` is a consumer whose handler ignores the graceful stop (it
+swallows cancellation and sleeps on), so only SIGKILL ends its worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 from reliable_mq import ConsumerSettings, Delivery, ReliableConsumer, Router
@@ -41,3 +45,18 @@ consumer.include_router(router)
 
 not_a_consumer = 42
 empty_router = Router()
+
+stubborn_router = Router()
+
+
+@stubborn_router.handler(QUEUE)
+async def ignore_the_drain(body: bytes, delivery: Delivery) -> None:
+    while True:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(3600)
+
+
+stubborn = ReliableConsumer(
+    settings=ConsumerSettings(prefetch=1, concurrency=1, shutdown_grace=600), dedup=None
+)
+stubborn.include_router(stubborn_router)
