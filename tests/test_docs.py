@@ -111,6 +111,43 @@ def test_no_rest_roles_in_the_package() -> None:
     assert not found, "reST roles or literal blocks in docstrings:\n" + "\n".join(found)
 
 
+_BY_NAME = re.compile(r"pip3?\s+install\s+(?:-[-\w]+\s+)*['\"]?reliable[-_]mq(?![-\w.])")
+"""``pip install reliable-mq`` or ``pip install 'reliable-mq[spark]'``: not a wheel's name."""
+
+
+def test_no_install_from_the_index() -> None:
+    """No page, docstring, hint or example tells to install reliable_mq by name.
+
+    No release is on the package index: installs go from a clone
+    (``pip install '.[spark]'``) or from a built wheel
+    (``pip install 'reliable_mq-0.1.0-py3-none-any.whl[spark]'``).
+    """
+    assert _BY_NAME.search("pip install 'reliable-mq[spark]'")
+    assert _BY_NAME.search("pip install -U reliable_mq")
+    assert not _BY_NAME.search("pip install 'reliable_mq-0.1.0-py3-none-any.whl[spark]'")
+    assert not _BY_NAME.search("pip install '.[spark]'")
+    paths = [ROOT / "README.md"]
+    for folder in ("docs", "reliable_mq", "examples"):
+        paths += [p for p in sorted((ROOT / folder).rglob("*")) if p.suffix in (".md", ".py")]
+    found = [
+        f"{path.relative_to(ROOT)}: {match.group(0)!r}"
+        for path in paths
+        for match in _BY_NAME.finditer(path.read_text())
+    ]
+    assert not found, "install by name, but no release is on the index:\n" + "\n".join(found)
+
+
+def test_no_paths_of_one_machine() -> None:
+    """Pages and examples show generic paths, not a developer's checkout (``/work/main``)."""
+    paths = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").rglob("*.py")]
+    found = [
+        f"{path.relative_to(ROOT)}: {match.group(0)}"
+        for path in paths
+        for match in re.finditer(r"(?<![\w.])/(?:work|home|root)/\S*", path.read_text())
+    ]
+    assert not found, "\n".join(found)
+
+
 def test_site_builds_strict(tmp_path: Path) -> None:
     """``mkdocs build --strict`` passes, and the built site is clean.
 
