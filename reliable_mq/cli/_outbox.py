@@ -61,7 +61,10 @@ def add_outbox_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the SQL for this database kind instead (for a migration); needs no --dsn",
     )
 
-    relay = action("relay", "publish committed outbox rows with confirms until SIGTERM/SIGINT")
+    relay = action(
+        "relay",
+        "publish committed outbox rows with confirms until SIGTERM/SIGINT (then exit 0)",
+    )
     relay.add_argument("--batch-size", type=positive_int, default=500)
     relay.add_argument("--poll-interval", type=positive_float, default=1.0, metavar="SECONDS")
     relay.add_argument(
@@ -137,6 +140,9 @@ async def _relay(args: argparse.Namespace) -> int:
             while await relay.run_once():
                 pass
         else:
+            # A service: SIGTERM/SIGINT is the request to stop, not a failure. The
+            # relay finishes its batch and the command exits 0 (a clean stop for
+            # systemd and Kubernetes), like `reliable-mq run`.
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
