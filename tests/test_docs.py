@@ -165,6 +165,55 @@ def test_no_paths_of_one_machine() -> None:
     assert not found, "\n".join(found)
 
 
+def _private_modules() -> set[str]:
+    """Every private module of the package, as a path under reliable_mq/ (``sync/_feed.py``)."""
+    package = ROOT / "reliable_mq"
+    return {
+        str(path.relative_to(package))
+        for path in package.rglob("_*.py")
+        if path.name not in ("__init__.py", "__main__.py")
+    }
+
+
+def test_how_it_works_names_every_private_module_and_no_other() -> None:
+    """The internals page names real modules (none deleted since) and explains all of them.
+
+    A top-level module is named as `` `_acks.py` ``; one of a subpackage as
+    `` `_feed.py` `` in that package's entry (``**`sync/`**``).
+    """
+    text = (ROOT / "docs" / "how-it-works.md").read_text()
+    existing = _private_modules()
+    named = set(re.findall(r"(?<![\w/.])(_[a-z_]+\.py)\b", text))  # the diagram's too
+    top_level = {name for name in existing if "/" not in name}
+    for package, entry in re.findall(
+        r"^- \*\*`([a-z]+)/`\*\*(.*?)(?=^- \*\*|^## )", text, re.M | re.S
+    ):
+        names = set(re.findall(r"`(_[a-z_]+\.py)`", entry))
+        missing = {n for n in existing if n.startswith(package + "/")} - {
+            f"{package}/{n}" for n in names
+        }
+        assert not missing, f"how-it-works.md does not explain {sorted(missing)}"
+        stale = {f"{package}/{n}" for n in names} - existing
+        assert not stale, f"how-it-works.md names modules that do not exist: {sorted(stale)}"
+    subpackages = {name.split("/")[0] for name in existing if "/" in name}
+    assert subpackages <= set(re.findall(r"^- \*\*`([a-z]+)/`\*\*", text, re.M)), subpackages
+    everywhere = {name.rsplit("/", 1)[-1] for name in existing}
+    assert named <= everywhere, f"stale module names: {sorted(named - everywhere)}"
+    table = set(re.findall(r"^\| `(_[a-z_]+\.py)` \|", text, re.M))
+    assert table == top_level, (sorted(top_level - table), sorted(table - top_level))
+
+
+def test_docs_name_only_real_private_modules() -> None:
+    """Every ``reliable_mq._name`` a page mentions exists (the deleted _confirm_channel did not)."""
+    pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    for path in pages:
+        for dotted in re.findall(
+            r"\breliable_mq((?:\.[a-z_]+)*\._[a-z][a-z_]*)\b", path.read_text()
+        ):
+            module = ROOT / "reliable_mq" / dotted.strip(".").replace(".", "/")
+            assert module.with_suffix(".py").exists() or module.is_dir(), f"{path}: {dotted}"
+
+
 def test_site_builds_strict(tmp_path: Path) -> None:
     """``mkdocs build --strict`` passes, and the built site is clean.
 
