@@ -49,11 +49,41 @@ class TestGeneratedTables:
     def test_config_table_lists_every_field_with_its_variable(self) -> None:
         """Each settings field appears with its environment variable."""
         text = _load_hook().config_tables()  # type: ignore[attr-defined]
+        plain = text.replace("<wbr>", "")
         for cls in (ConnectionSettings, PublisherSettings, TLSSettings):
             prefix = cls.model_config["env_prefix"]
             for name in cls.model_fields:
-                assert f"`{prefix}{name.upper()}`" in text, name
+                assert f"<code>{prefix}{name.upper()}</code>" in plain, name
         assert "guest:guest" not in text  # the default URL's password is redacted
+
+    def test_table_code_wraps_only_at_separators(self) -> None:
+        """Long names, types and URLs get break points after _ / , and |; bars are entities."""
+        code = _load_hook()._code  # type: ignore[attr-defined]
+        assert code("RELIABLE_MQ_URL") == "<code>RELIABLE_<wbr>MQ_<wbr>URL</code>"
+        assert code("str | None") == "<code>str &#124;<wbr> None</code>"
+        assert code("amqp://a:***@h:5672/") == (
+            "<code>amqp://<wbr>a:&#42;&#42;&#42;@h:5672/<wbr></code>"
+        )
+        assert code("float") == "<code>float</code>"  # nothing to break: stays on one line
+        table = _load_hook().config_tables()  # type: ignore[attr-defined]
+        rows = [line for line in table.splitlines() if line.startswith("| <code>")]
+        assert rows and all(line.count(" | ") == 2 for line in rows)  # no stray cell breaks
+        assert "\\|" not in table  # a backslashed bar shows literally inside code
+
+    def test_long_code_in_hand_written_tables_gets_break_points(self) -> None:
+        """Long plain code in any table cell can wrap at separators; short code is left."""
+        fix = _load_hook().break_table_code  # type: ignore[attr-defined]
+        html = (
+            "<p><code>returns_retried_after_reconnect</code></p><table><tr>"
+            "<td><code>returns_retried_after_reconnect</code> and <code>max_attempts</code>"
+            '</td><td><code>str | None</code><code><a href="x">Linked</a>_y</code></td>'
+            "</tr></table>"
+        )
+        fixed = fix(html)
+        assert "<td><code>returns_<wbr>retried_<wbr>after_<wbr>reconnect</code>" in fixed
+        assert "<p><code>returns_retried_after_reconnect</code></p>" in fixed  # prose
+        assert "<code>max_attempts</code>" in fixed  # short: one piece
+        assert '<code><a href="x">Linked</a>_y</code>' in fixed  # markup left alone
 
     def test_metrics_table_lists_every_collector(self) -> None:
         """Each Metrics field has a row in the metrics page."""
@@ -212,6 +242,30 @@ def test_docs_name_only_real_private_modules() -> None:
         ):
             module = ROOT / "reliable_mq" / dotted.strip(".").replace(".", "/")
             assert module.with_suffix(".py").exists() or module.is_dir(), f"{path}: {dotted}"
+
+
+CODE_COLUMNS = 78
+"""Columns of a code block that fit the site's content column at 1280 px (docs/ruff.toml)."""
+
+
+def test_code_blocks_fit_the_page() -> None:
+    """No line of a code block on the site is wider than the content column.
+
+    With both sidebars shown (a 1280 px window) a wider line is cut off
+    behind a scroll bar. ruff formats the Python blocks at this width
+    (``docs/ruff.toml``); comments, shell and text blocks are wrapped by hand.
+    """
+    too_wide = []
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        fence: str | None = None
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fence = None if fence is not None else line[: len(line) - len(line.lstrip())]
+                continue
+            if fence is not None and len(line.removeprefix(fence)) > CODE_COLUMNS:
+                too_wide.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:60]}")
+    assert not too_wide, f"code lines over {CODE_COLUMNS} columns:\n" + "\n".join(too_wide)
+    assert f"line-length = {CODE_COLUMNS}" in (ROOT / "docs" / "ruff.toml").read_text()
 
 
 def test_site_builds_strict(tmp_path: Path) -> None:
