@@ -289,6 +289,7 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-5000:]
     assert not list(site.rglob("*.py")), "scripts copied into the site"
+    assert not (site / "ruff.toml").exists(), "tool configuration copied into the site"
     pages = {path: path.read_text() for path in site.rglob("*.html")}
     raw = [str(path) for path, html in pages.items() if _RENDERED_ROLE.search(html)]
     assert not raw, f"raw reST roles on {raw}"
