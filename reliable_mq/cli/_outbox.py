@@ -135,20 +135,28 @@ async def _relay(args: argparse.Namespace) -> int:
         table=args.table,
         name=args.name,
     )
-    async with relay:
-        if args.once:
-            while await relay.run_once():
-                pass
-        else:
-            # A service: SIGTERM/SIGINT is the request to stop, not a failure. The
-            # relay finishes its batch and the command exits 0 (a clean stop for
-            # systemd and Kubernetes), like `reliable-mq run`.
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(NotImplementedError, RuntimeError):
-                    loop.add_signal_handler(sig, relay.stop)
-            await relay.run()
-        stats = relay.stats()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    if not args.once:
+        # A service: SIGTERM/SIGINT is the request to stop, not a failure. The
+        # relay finishes its batch and the command exits 0 (a clean stop for
+        # systemd and Kubernetes), like `reliable-mq run`. Installed before the
+        # relay starts, so a signal while it starts stops it the same way.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, relay.stop)
+                installed.append(sig)
+    try:
+        async with relay:
+            if args.once:
+                while await relay.run_once():
+                    pass
+            else:
+                await relay.run()  # returns at once if stop() came during the start
+            stats = relay.stats()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
     print_table(
         [
             ("dispatched", f"{stats.dispatched:,}"),
