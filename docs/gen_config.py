@@ -21,6 +21,7 @@ Run it directly (``python docs/gen_config.py``) to print the three tables.
 
 from __future__ import annotations
 
+import html
 import importlib
 import inspect
 import re
@@ -61,7 +62,9 @@ def _type_name(annotation: Any) -> str:
         return "None"
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(arg) for arg in typing.get_args(annotation))
+        return " | ".join(
+            _type_name(arg) for arg in typing.get_args(annotation)
+        )
     if origin is tuple:
         args = typing.get_args(annotation)
         if len(args) == 2 and args[1] is Ellipsis:
@@ -77,15 +80,14 @@ def _default(field: FieldInfo) -> str:
         return "*required*"
     value = field.default
     if isinstance(value, SecretStr):
-        shown = _PASSWORD.sub(r"\1***@", value.get_secret_value())
-        return f"`{shown}`"
+        return _code(_PASSWORD.sub(r"\1***@", value.get_secret_value()))
     if isinstance(value, tuple):
-        return (
-            "`"
-            + ", ".join(f"{item:g}" if isinstance(item, float) else str(item) for item in value)
-            + "`"
+        items = (
+            f"{item:g}" if isinstance(item, float) else str(item)
+            for item in value
         )
-    return f"`{value!r}`"
+        return _code(", ".join(items))
+    return _code(repr(value))
 
 
 def _constraints(field: FieldInfo) -> list[str]:
@@ -120,48 +122,76 @@ def config_tables() -> str:
         out.append(
             f"Environment prefix: `{prefix}`. Class: [`{cls.__module__}.{cls.__name__}`][{cls.__module__}.{cls.__name__}].\n"
         )
-        out.append("| Field | Environment variable | Type | Default | Constraints and meaning |")
-        out.append("|---|---|---|---|---|")
+        out.append(
+            "| Field and environment variable | Type and default | Meaning |"
+        )
+        out.append("|---|---|---|")
         for name, field in cls.model_fields.items():
             meaning = [*_constraints(field)]
             if field.description:
                 meaning.append(field.description)
             annotation = field.annotation
-            env = f"`{prefix}{name.upper()}`"
-            if (inspect.isclass(annotation) and issubclass(annotation, BaseSettings)) or any(
+            env = _code(f"{prefix}{name.upper()}")
+            if (
+                inspect.isclass(annotation)
+                and issubclass(annotation, BaseSettings)
+            ) or any(
                 inspect.isclass(arg) and issubclass(arg, BaseSettings)
                 for arg in typing.get_args(annotation)
             ):
-                meaning.append("a JSON object in the variable; its own variables fill the rest")
+                meaning.append(
+                    "a JSON object in the variable; its own variables fill the rest"
+                )
+            # Three columns, each value on its own line: the meaning gets the room.
+            setting = f"{_code(name)}<br>{env}"
+            kind = f"{_code(_type_name(annotation))}<br>default {_default(field)}"
             out.append(
-                f"| `{name}` | {env} | `{_escape(_type_name(annotation))}` | {_escape(_default(field))} "
-                f"| {_escape('; '.join(meaning)) or '—'} |"
+                f"| {setting} | {kind} | {_escape('; '.join(meaning)) or '—'} |"
             )
         out.append("")
     return "\n".join(out)
 
 
-def _breakable(name: str) -> str:
-    """A metric name as HTML code that may wrap after an underscore, never mid-word."""
-    return "<code>" + name.replace("_", "_<wbr>") + "</code>"
+_BREAK_AFTER = re.compile(r"(_|//|(?<!/)/(?!/)|,|&#124;)")
+
+
+def _code(text: str, kind: str = "") -> str:
+    """``text`` as HTML code for a table cell, wrapping only where a reader expects it.
+
+    The site's CSS keeps table code on one line unless it contains a ``<wbr>``;
+    this adds one after each underscore, slash, comma and ``|``, so a long
+    variable name, type or URL wraps there (and at spaces), never mid-word.
+    ``|`` is an entity (a bare one would end the Markdown table cell) and
+    ``*`` one too (Markdown would read emphasis in ``guest:***@``).
+    """
+    escaped = html.escape(text, quote=False).replace("|", "&#124;")
+    escaped = escaped.replace("*", "&#42;")
+    tag = f'<code class="{kind}">' if kind else "<code>"
+    return tag + _BREAK_AFTER.sub(r"\1<wbr>", escaped) + "</code>"
 
 
 def metrics_table() -> str:
     """Every collector, as Prometheus exposes it."""
     metrics_module = importlib.import_module("reliable_mq.metrics")
     metrics = metrics_module.Metrics.on(CollectorRegistry())
-    rows = ["| Metric | Type | Labels | Meaning | `Metrics` field |", "|---|---|---|---|---|"]
+    rows = [
+        "| Metric | Type | Labels | Meaning | `Metrics` field |",
+        "|---|---|---|---|---|",
+    ]
     for field_name in metrics.__dataclass_fields__:
         collector = getattr(metrics, field_name)
         kind: str = collector._type
         name: str = collector._name
         exposed = {
-            "counter": _breakable(f"{name}_total"),
-            "histogram": _breakable(f"{name}_bucket") + " / `_sum` / `_count`",
-        }.get(kind, _breakable(name))
-        labels = ", ".join(f"`{label}`" for label in collector._labelnames) or "—"
+            "counter": _code(f"{name}_total", "metric"),
+            "histogram": _code(f"{name}_bucket", "metric")
+            + " / `_sum` / `_count`",
+        }.get(kind, _code(name, "metric"))
+        labels = (
+            ", ".join(f"`{label}`" for label in collector._labelnames) or "—"
+        )
         rows.append(
-            f"| {exposed} | {kind} | {labels} | {_escape(collector._documentation)} | {_breakable(field_name)} |"
+            f"| {exposed} | {kind} | {labels} | {_escape(collector._documentation)} | {_code(field_name)} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -172,7 +202,9 @@ def _documented_modules() -> set[str]:
     for page in (Path(__file__).parent / "reference").glob("*.md"):
         text = page.read_text()
         found.update(re.findall(r"^:::\s+([\w.]+)\s*$", text, re.MULTILINE))
-        found.update(re.findall(r"<!--\s*reliable_mq:api\s+([\w.]+)\s*-->", text))
+        found.update(
+            re.findall(r"<!--\s*reliable_mq:api\s+([\w.]+)\s*-->", text)
+        )
     return found
 
 
@@ -184,7 +216,8 @@ def api_blocks(module_name: str) -> str:
         name
         for name in getattr(module, "__all__", ())
         # a re-export is documented where it is defined, if that page exists
-        if getattr(getattr(module, name), "__module__", None) not in documented
+        if getattr(getattr(module, name), "__module__", None)
+        not in documented
     ]
     if not names:
         raise ValueError(f"{module_name} has no __all__ to document")
@@ -207,12 +240,20 @@ def exports_table() -> str:
             if inspect.isclass(obj) and issubclass(obj, BaseException)
             else ("class" if inspect.isclass(obj) else "function")
         )
-        label = f"[`{name}`][{module}.{name}]" if module in documented else f"`{name}`"
+        label = (
+            f"[`{name}`][{module}.{name}]"
+            if module in documented
+            else f"`{name}`"
+        )
         rows.append(f"| {label} | {kind} | `{module}` |")
     return "\n".join(rows) + "\n"
 
 
-_GENERATORS = {"config": config_tables, "metrics": metrics_table, "exports": exports_table}
+_GENERATORS = {
+    "config": config_tables,
+    "metrics": metrics_table,
+    "exports": exports_table,
+}
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:
@@ -230,7 +271,41 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
     return _MARKER.sub(replace, markdown)
 
 
+_TABLE_CELL = re.compile(r"<td\b[^>]*>.*?</td>", re.S)
+_LONG_PLAIN_CODE = re.compile(r"<code>([^<]{16,})</code>")
+_BREAK_AFTER_HTML = re.compile(r"(_|//|(?<!/)/(?!/)|,|\|)")
+
+
+def break_table_code(html_text: str) -> str:
+    """Break points in the long plain ``<code>`` of every table cell of a page.
+
+    Hand-written tables (and the API pages' parameter tables) have long
+    identifiers too (``returns_retried_after_reconnect``): each gets a
+    ``<wbr>`` after its underscores, slashes, commas and bars, as the
+    generated tables do, so it can wrap there and nowhere else.
+    """
+
+    def cell(match: re.Match[str]) -> str:
+        return _LONG_PLAIN_CODE.sub(
+            lambda code: (
+                "<code>"
+                + _BREAK_AFTER_HTML.sub(r"\1<wbr>", code.group(1))
+                + "</code>"
+            ),
+            match.group(0),
+        )
+
+    return _TABLE_CELL.sub(cell, html_text)
+
+
+def on_page_content(html: str, **kwargs: Any) -> str:
+    """mkdocs event: let long code in table cells wrap (see `break_table_code`)."""
+    return break_table_code(html)
+
+
 if __name__ == "__main__":
     import sys
 
-    sys.stdout.write("\n".join((config_tables(), metrics_table(), exports_table())))
+    sys.stdout.write(
+        "\n".join((config_tables(), metrics_table(), exports_table()))
+    )

@@ -70,7 +70,9 @@ def snapshot(registry: CollectorRegistry) -> dict[Key, float]:
     values: dict[Key, float] = {}
     for family in registry.collect():
         for sample in family.samples:
-            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = (
+                sample.value
+            )
     return values
 
 
@@ -83,7 +85,9 @@ _MATCHER = re.compile(r'(?P<label>\w+)(?P<op>=~|=)"(?P<value>[^"]*)"')
 @dataclass(frozen=True)
 class Selector:
     name: str
-    matchers: tuple[tuple[str, str], ...]  # exact matches only; =~ (the $job variable) ignored
+    matchers: tuple[
+        tuple[str, str], ...
+    ]  # exact matches only; =~ (the $job variable) ignored
 
     @classmethod
     def parse(cls, text: str) -> Selector:
@@ -97,35 +101,50 @@ class Selector:
         )
         return cls(match["name"], exact)
 
-    def series(self, sample: dict[Key, float]) -> dict[tuple[tuple[str, str], ...], float]:
+    def series(
+        self, sample: dict[Key, float]
+    ) -> dict[tuple[tuple[str, str], ...], float]:
         wanted = dict(self.matchers)
         return {
             labels: value
             for (name, labels), value in sample.items()
-            if name == self.name and all(dict(labels).get(k) == v for k, v in wanted.items())
+            if name == self.name
+            and all(dict(labels).get(k) == v for k, v in wanted.items())
         }
 
 
 class Evaluator:
     """Evaluate the dashboard's expression shapes at one sample index."""
 
-    def __init__(self, times: list[float], samples: list[dict[Key, float]]) -> None:
+    def __init__(
+        self, times: list[float], samples: list[dict[Key, float]]
+    ) -> None:
         self.times = times
         self.samples = samples
 
     def _back(self, index: int, window: float) -> int:
         start = index
-        while start > 0 and self.times[index] - self.times[start - 1] <= window + 1e-9:
+        while (
+            start > 0
+            and self.times[index] - self.times[start - 1] <= window + 1e-9
+        ):
             start -= 1
         return start
 
-    def _vector(self, expr: str, index: int) -> dict[tuple[tuple[str, str], ...], float]:
+    def _vector(
+        self, expr: str, index: int
+    ) -> dict[tuple[tuple[str, str], ...], float]:
         expr = expr.strip()
-        fn = re.fullmatch(r"(rate|increase)\((.+)\[\$__rate_interval\]\)", expr)
+        fn = re.fullmatch(
+            r"(rate|increase)\((.+)\[\$__rate_interval\]\)", expr
+        )
         if fn:
             selector = Selector.parse(fn[2])
             start = self._back(index, RATE_WINDOW)
-            now, then = selector.series(self.samples[index]), selector.series(self.samples[start])
+            now, then = (
+                selector.series(self.samples[index]),
+                selector.series(self.samples[start]),
+            )
             span = self.times[index] - self.times[start]
             out = {}
             for labels, value in now.items():
@@ -137,10 +156,14 @@ class Evaluator:
             return out
         return Selector.parse(expr).series(self.samples[index])
 
-    def evaluate(self, expr: str, index: int) -> dict[tuple[tuple[str, str], ...], float]:
+    def evaluate(
+        self, expr: str, index: int
+    ) -> dict[tuple[tuple[str, str], ...], float]:
         """The ``by`` labels of each series -> its value."""
         expr = expr.strip()
-        hq = re.fullmatch(r"histogram_quantile\(([\d.]+),\s*sum by \(le\) \((.+)\)\)", expr)
+        hq = re.fullmatch(
+            r"histogram_quantile\(([\d.]+),\s*sum by \(le\) \((.+)\)\)", expr
+        )
         if hq:
             buckets: dict[float, float] = defaultdict(float)
             for labels, value in self._vector(hq[2], index).items():
@@ -149,13 +172,21 @@ class Evaluator:
         agg = re.fullmatch(r"(sum|max)(?: by \(([\w, ]+)\))? ?\((.+)\)", expr)
         if agg is None:
             raise ValueError(f"unsupported expression: {expr}")
-        by = [name.strip() for name in (agg[2] or "").split(",") if name.strip()]
-        groups: dict[tuple[tuple[str, str], ...], list[float]] = defaultdict(list)
+        by = [
+            name.strip() for name in (agg[2] or "").split(",") if name.strip()
+        ]
+        groups: dict[tuple[tuple[str, str], ...], list[float]] = defaultdict(
+            list
+        )
         for labels, value in self._vector(agg[3], index).items():
             label_map = dict(labels)
-            groups[tuple((name, label_map.get(name, "")) for name in by)].append(value)
+            groups[
+                tuple((name, label_map.get(name, "")) for name in by)
+            ].append(value)
         reduce = sum if agg[1] == "sum" else max
-        return {group: float(reduce(values)) for group, values in groups.items()}
+        return {
+            group: float(reduce(values)) for group, values in groups.items()
+        }
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
@@ -170,7 +201,9 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
         if count >= rank:
             if math.isinf(bound):
                 return lower
-            return lower + (bound - lower) * ((rank - below) / max(count - below, 1e-12))
+            return lower + (bound - lower) * (
+                (rank - below) / max(count - below, 1e-12)
+            )
         lower, below = bound, count
     return lower
 
@@ -211,7 +244,9 @@ async def run_traffic(
             samples.append(snapshot(registry))
             await asyncio.sleep(STEP)
 
-    async with TCPProxy(broker.host or "127.0.0.1", broker.port or 5672) as proxy:
+    async with TCPProxy(
+        broker.host or "127.0.0.1", broker.port or 5672
+    ) as proxy:
         proxied = broker.with_host("127.0.0.1").with_port(proxy.port)
         publisher = ReliablePublisher(
             ConnectionSettings(
@@ -228,7 +263,9 @@ async def run_traffic(
             cut_done = False
             while (elapsed := time.monotonic() - started) < seconds:
                 phase = elapsed / seconds
-                if 0.3 <= phase < 0.6:  # a burst: as fast as the window lets us
+                if (
+                    0.3 <= phase < 0.6
+                ):  # a burst: as fast as the window lets us
                     for _ in range(200):
                         await publisher.enqueue({"n": n}, routing_key=queue)
                         n += 1
@@ -246,7 +283,9 @@ async def run_traffic(
         sampling.cancel()
     connection = await aio_pika.connect(url)
     async with connection:
-        await delete_topology(await connection.channel(), consumer.topology(queue))
+        await delete_topology(
+            await connection.channel(), consumer.topology(queue)
+        )
     return times, samples, events
 
 
@@ -254,11 +293,15 @@ def legend_for(template: str, labels: dict[str, str]) -> str:
     """Grafana's ``{{label}}`` legend format, filled in."""
     if not template:
         return ",".join(labels.values())
-    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m[1], m[1]), template)
+    return re.sub(
+        r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m[1], m[1]), template
+    )
 
 
 def plot(
-    times: list[float], samples: list[dict[Key, float]], events: list[tuple[float, str]]
+    times: list[float],
+    samples: list[dict[Key, float]],
+    events: list[tuple[float, str]],
 ) -> None:
     import matplotlib  # noqa: PLC0415 - only this step needs it
 
@@ -277,20 +320,37 @@ def plot(
         for target in panel["targets"]:
             expr = target["expr"]
             # A counter's series appears at its first increment; before that its rate is 0.
-            missing = 0.0 if re.search(r"\b(rate|increase)\(", expr) else math.nan
+            missing = (
+                0.0 if re.search(r"\b(rate|increase)\(", expr) else math.nan
+            )
             series: dict[tuple[tuple[str, str], ...], list[float]] = {}
             for index in range(len(times)):
                 for labels, value in evaluator.evaluate(expr, index).items():
-                    series.setdefault(labels, [missing] * len(times))[index] = value
+                    series.setdefault(labels, [missing] * len(times))[
+                        index
+                    ] = value
             for labels, values in sorted(series.items()):
-                legend = legend_for(target.get("legendFormat", ""), dict(labels))
+                legend = legend_for(
+                    target.get("legendFormat", ""), dict(labels)
+                )
                 ax.plot(times, values, linewidth=1.4, label=legend)
         for at, label in events:
             ax.axvline(at, color="#f2495c", linestyle=":", linewidth=1)
-            ax.text(at, ax.get_ylim()[1] * 0.95, f" {label}", color="#f2495c", fontsize=7, va="top")
-        unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "")
+            ax.text(
+                at,
+                ax.get_ylim()[1] * 0.95,
+                f" {label}",
+                color="#f2495c",
+                fontsize=7,
+                va="top",
+            )
+        unit = (
+            panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "")
+        )
         unit = {"reqps": "per second", "s": "seconds"}.get(unit, "")
-        ax.set_title(title + (f"  ({unit})" if unit else ""), fontsize=10, loc="left")
+        ax.set_title(
+            title + (f"  ({unit})" if unit else ""), fontsize=10, loc="left"
+        )
         ax.grid(color="#2c3235", linewidth=0.6)
         ax.tick_params(labelsize=8)
         ax.set_xlabel("seconds", fontsize=8)
@@ -312,7 +372,9 @@ def main() -> None:
     configure_logging(level="WARNING")
     logging.getLogger("aiormq").setLevel(logging.CRITICAL)
     registry = CollectorRegistry()
-    times, samples, events = asyncio.run(run_traffic(args.url, args.seconds, registry))
+    times, samples, events = asyncio.run(
+        run_traffic(args.url, args.seconds, registry)
+    )
     plot(times, samples, events)
     print(f"wrote {OUTPUT} from {len(samples)} samples")  # noqa: T201
 

@@ -1,7 +1,8 @@
 """Publish a small DataFrame to RabbitMQ with confirms, then read it back.
 
 Runs as is against a local broker (amqp://guest:guest@127.0.0.1:5672/, or set
-RELIABLE_MQ_URL) with ``pip install 'reliable-mq[spark]'`` and Java 17::
+RELIABLE_MQ_URL) with the spark extra (from a clone: ``pip install '.[spark]'``)
+and Java 17::
 
     python examples/spark_publish.py
 

@@ -137,7 +137,8 @@ class ChannelKeeper:
             raise
         session.consumer_tag = ok.consumer_tag
         # Only a work queue declared with our arguments is known to dead-letter to
-        # its DLQ; an adopted one may drop what is rejected (the last-resort rung).
+        # its DLQ. A reject on an adopted one could drop the message (its DLX, if a
+        # policy gives it one, is invisible to us), so its last rung is a requeue.
         route.queue_has_dlx = route.spec.queue_has_dlx and not check.adopted
         route.session = session
         route.ready.set()

@@ -212,6 +212,34 @@ async def delete_topology(channel: AbstractChannel, topology: QueueTopology) -> 
 # -- bring your own queue --------------------------------------------------------------
 
 _INEQUIVALENT = re.compile(r"inequivalent arg '([^']+)'.*?received (.*?) but current is (.*)$")
+_TYPED_VALUE = re.compile(r"the value '(.*)' of type '(\w+)'$")
+_ABSENT = object()
+_LEARN_ROUNDS = 16
+"""Redeclares at most, to learn an adopted queue's arguments (RabbitMQ compares ~15)."""
+
+
+def _current_value(fault: Fault) -> tuple[str, Any] | None:
+    """The argument a 406 names and the queue's own value (``_ABSENT`` for none)."""
+    match = _INEQUIVALENT.search(fault.reply_text)
+    if match is None:
+        return None
+    argument, _received, current = match.groups()
+    current = current.strip()
+    if current == "none":
+        return argument, _ABSENT
+    typed = _TYPED_VALUE.match(current)
+    if typed is None:  # 'ops', or 'false' for durable
+        text = current.strip("'")
+        return argument, (text == "true") if argument in ("durable", "auto_delete") else text
+    text, kind = typed.groups()
+    if kind == "longstr":
+        return argument, text
+    if kind == "bool":
+        return argument, text == "true"
+    try:
+        return argument, float(text) if kind in ("float", "double", "decimal") else int(text)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -227,6 +255,9 @@ class QueueCheck:
         difference: the broker's reason for the difference (``""`` unless adopted).
         missing: what the adopted queue's own arguments do not give, in one
             sentence (``""`` when nothing is known to be missing).
+        arguments: the adopted queue's own ``x-`` arguments, as far as RabbitMQ
+            compares them on a redeclare (learnt from its refusals); ``None``
+            if not adopted or not learnt. Policies never show here.
     """
 
     queue: str
@@ -235,6 +266,7 @@ class QueueCheck:
     adopted: bool = False
     difference: str = ""
     missing: str = ""
+    arguments: dict[str, Any] | None = field(default=None, hash=False)
 
     def warning(self, topology: QueueTopology) -> str:
         """The one warning to log for an adopted queue (``""`` if not adopted)."""
@@ -244,27 +276,116 @@ class QueueCheck:
             f"queue {self.queue!r} exists with other arguments and is used as it is "
             f"(broker: {self.difference}). Retries ({', '.join(topology.retry_queues)}) and "
             f"dead letters ({topology.dead_letter_queue}) still work: they are published "
-            "with confirms."
+            "with confirms, and reliable_mq never rejects a message of this queue (when a "
+            "copy cannot be published, the message is requeued later instead)."
         )
         return f"{text} Missing: {self.missing}" if self.missing else text
 
 
-def _missing_safety_net(fault: Fault, topology: QueueTopology) -> str:
+@dataclass
+class _Learnt:
+    """An adopted work queue's declaration, as learnt from the broker's refusals."""
+
+    arguments: dict[str, Any]
+    durable: bool = True
+    auto_delete: bool = False
+    complete: bool = False
+
+
+async def _learn_queue(
+    connection: AbstractConnection, topology: QueueTopology, fault: Fault
+) -> _Learnt:
+    """Redeclare with each value a refusal names until the broker accepts the declaration.
+
+    A 406 names one differing argument at a time, with the queue's value. An
+    accepted redeclare is a no-op on an existing queue, and then every argument
+    RabbitMQ compares is known. Passive declares say nothing about arguments,
+    and policies show in neither.
+    """
+    learnt = _Learnt(dict(topology.work_queue_arguments()))
+    for _ in range(_LEARN_ROUNDS):
+        found = _current_value(fault)
+        if found is None:
+            return learnt
+        argument, value = found
+        if argument in ("durable", "auto_delete"):
+            setattr(learnt, argument, bool(value))
+        elif value is _ABSENT:
+            learnt.arguments.pop(argument, None)
+        else:
+            learnt.arguments[argument] = value
+        _, refused = await _declare_one(
+            connection,
+            topology.queue,
+            arguments=learnt.arguments,
+            durable=learnt.durable,
+            auto_delete=learnt.auto_delete,
+        )
+        if refused is None:
+            learnt.complete = True
+            return learnt
+        if refused.reply_code != 406:
+            return learnt
+        fault = refused
+    return learnt
+
+
+def _policy_hint(topology: QueueTopology) -> str:
+    dlq = topology.dead_letter_queue
+    policy = (
+        f"rabbitmqctl set_policy {topology.queue}-dlx '^{re.escape(topology.queue)}$' "
+        f'\'{{"dead-letter-exchange":"","dead-letter-routing-key":"{dlq}"}}\' --apply-to queues'
+    )
+    return (
+        f"Add one without redeclaring the queue with a policy: {policy} (a policy does not "
+        "show in a declaration, so this check cannot see it: the warning stays after that)"
+    )
+
+
+def _missing_safety_net(learnt: _Learnt, fault: Fault, topology: QueueTopology) -> str:
+    if not learnt.complete:
+        return _first_difference(fault, topology)
+    arguments, dlq = learnt.arguments, topology.dead_letter_queue
+    missing = []
+    exchange = arguments.get("x-dead-letter-exchange")
+    if exchange is None:
+        losses = ["another client rejects without requeue"]
+        limited = "x-max-length" in arguments or "x-max-length-bytes" in arguments
+        if limited and arguments.get("x-overflow", "drop-head") == "drop-head":
+            losses.append("its length limit pushes out")
+        if "x-message-ttl" in arguments:
+            losses.append("outlives its x-message-ttl")
+        missing.append(
+            f"it has no dead-letter exchange, so a message that {' or '.join(losses)} is "
+            f"dropped instead of reaching {dlq}. " + _policy_hint(topology)
+        )
+    elif (exchange, arguments.get("x-dead-letter-routing-key")) != ("", dlq):
+        key = arguments.get("x-dead-letter-routing-key")
+        where = f"exchange {exchange!r}" + (f" with routing key {key!r}" if key else "")
+        missing.append(
+            f"it dead-letters to {where}, so messages rejected without requeue go there, "
+            f"not to {dlq}"
+        )
+    if not learnt.durable:
+        missing.append("it is not durable: it and its messages are lost when the broker restarts")
+    kind = arguments.get("x-queue-type", QueueType.CLASSIC.value)
+    if kind != topology.queue_type.value:
+        missing.append(f"its type is {kind}, not {topology.queue_type.value}")
+    return "; ".join(missing)
+
+
+def _first_difference(fault: Fault, topology: QueueTopology) -> str:
+    """What the one argument the refusal names does not give (when the rest is unknown)."""
     match = _INEQUIVALENT.search(fault.reply_text)
     if match is None:
         return ""
     argument, _received, current = match.groups()
     current = current.strip()
     dlq = topology.dead_letter_queue
-    policy = (
-        f"rabbitmqctl set_policy {topology.queue}-dlx '^{re.escape(topology.queue)}$' "
-        f'\'{{"dead-letter-exchange":"","dead-letter-routing-key":"{dlq}"}}\' --apply-to queues'
-    )
     if argument == "x-dead-letter-exchange" and current == "none":
         return (
-            "it has no dead-letter exchange, so a message rejected without requeue (by "
-            f"another client, a length limit or a last-resort reject) is dropped instead of "
-            f"reaching {dlq}. Add one without redeclaring the queue with a policy: {policy}"
+            "it has no dead-letter exchange, so a message another client rejects without "
+            f"requeue is dropped instead of reaching {dlq}. " + _policy_hint(topology)
         )
     if argument in ("x-dead-letter-exchange", "x-dead-letter-routing-key"):
         return (
@@ -292,12 +413,14 @@ async def _declare_one(
     *,
     passive: bool = False,
     arguments: dict[str, Any] | None = None,
+    durable: bool = True,
+    auto_delete: bool = False,
 ) -> tuple[tuple[int, int] | None, Fault | None]:
     """Declare ``name`` on a channel of its own: ((messages, consumers), None) or (None, refusal)."""
     channel = await connection.channel(publisher_confirms=False)
     try:
         queue = await channel.declare_queue(
-            name, durable=True, passive=passive, arguments=arguments
+            name, durable=durable, auto_delete=auto_delete, passive=passive, arguments=arguments
         )
     except AMQP_ERRORS as exc:
         fault = classify(exc)
@@ -319,10 +442,13 @@ async def prepare_topology(
     declared, then the work queue. A work queue that already exists with other
     arguments (declared by another application, without the dead-letter
     arguments) is not an error: it is checked with a passive declare and used
-    as it is, and the result says what its own arguments do not give
+    as it is. Its own arguments are then learnt by redeclaring it with the
+    value each refusal names, until the broker accepts (a no-op on an existing
+    queue), and the result says what they do not give
     ([`QueueCheck.warning`][reliable_mq.topology.QueueCheck.warning]). Retry
     queues dead-letter back to it through the default exchange whatever its
-    arguments are.
+    arguments are. Policies are invisible to declarations: a dead-letter
+    exchange given by a policy is not seen.
 
     Without ``declare`` nothing is created: every queue of the set must exist
     (passive declares), or this raises. Without retry queues and a DLQ a failing
@@ -362,12 +488,14 @@ async def prepare_topology(
     if passive_fault is not None or counts is None:
         reason = passive_fault.describe() if passive_fault else fault.describe()
         raise ConsumerError(f"cannot use queue {topology.queue!r}: {reason}")
+    learnt = await _learn_queue(connection, topology, fault)
     return QueueCheck(
         topology.queue,
         *counts,
         adopted=True,
         difference=fault.reply_text.removeprefix("PRECONDITION_FAILED - "),
-        missing=_missing_safety_net(fault, topology),
+        missing=_missing_safety_net(learnt, fault, topology),
+        arguments=learnt.arguments if learnt.complete else None,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import uuid
@@ -16,7 +17,13 @@ import aio_pika
 import pytest
 from prometheus_client import CollectorRegistry
 
-from reliable_mq import ConsumerSettings, QueueTopology, ReliableConsumer, ReliablePublisher
+from reliable_mq import (
+    ConsumerSettings,
+    Message,
+    QueueTopology,
+    ReliableConsumer,
+    ReliablePublisher,
+)
 from reliable_mq.topology import declare_topology, delete_topology
 from tests.support.amqp import drain_queue
 from tests.support.private_node import free_port
@@ -446,6 +453,10 @@ class TestDlq:
         assert "dead-letter queue" in run.stderr and "does not exist" in run.stderr
 
 
+_STOPS = [(signal.SIGINT, 130), (signal.SIGTERM, 143)]
+"""The signals that stop a command that does a job, with the documented exit codes."""
+
+
 def _env(url: str) -> dict[str, str]:
     env = dict(os.environ)
     env["RELIABLE_MQ_URL"] = url
@@ -506,10 +517,11 @@ class TestEdges:
         assert f"`reliable-mq topology {name}`" in run.stderr
         assert "PublishUnroutable  15" in run.stdout
 
-    async def test_sigint_publish_exits_130_with_a_partial_summary(
-        self, broker_url: str, queue: str
+    @pytest.mark.parametrize(("sig", "code"), _STOPS, ids=["SIGINT", "SIGTERM"])
+    async def test_a_signal_stops_publish_with_a_partial_summary(
+        self, broker_url: str, queue: str, sig: signal.Signals, code: int
     ) -> None:
-        """Input still open, 100 lines confirmed: Ctrl-C prints the summary and exits 130."""
+        """Input still open, 100 lines confirmed: the signal prints the summary; 130 or 143."""
         process = await _spawn(
             "publish", "-k", queue, url=broker_url, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -520,18 +532,19 @@ class TestEdges:
         async with asyncio.timeout(60):
             while await _queue_depth(broker_url, queue) < 100:
                 await asyncio.sleep(0.05)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(sig)
         out, err = await asyncio.wait_for(process.communicate(), 60)
-        assert process.returncode == 130, err
+        assert process.returncode == code, err
         summary = out.decode().replace(",", "")
         assert "read         100" in summary and "confirmed    100" in summary
         assert "interrupted" in summary
         assert b"Traceback" not in err
 
-    async def test_sigint_consume_exits_130_with_a_partial_summary(
-        self, broker_url: str, queue: str
+    @pytest.mark.parametrize(("sig", "code"), _STOPS, ids=["SIGINT", "SIGTERM"])
+    async def test_a_signal_stops_consume_with_a_partial_summary(
+        self, broker_url: str, queue: str, sig: signal.Signals, code: int
     ) -> None:
-        """consume without --count or --idle-timeout: Ctrl-C after 20 messages, exit 130."""
+        """consume without --count or --idle-timeout: a signal after 20 messages; 130 or 143."""
         await _publish(broker_url, queue, [b"m%d" % n for n in range(20)])
         process = await _spawn(
             "consume", queue, url=broker_url, stdout=asyncio.subprocess.PIPE,
@@ -541,11 +554,62 @@ class TestEdges:
         lines = [await asyncio.wait_for(process.stdout.readline(), 60) for _ in range(20)]
         assert lines[-1] == b"m19\n"
         await asyncio.sleep(0.2)  # the acks of the written batch go out
-        process.send_signal(signal.SIGINT)
+        process.send_signal(sig)
         _, err = await asyncio.wait_for(process.communicate(), 60)
-        assert process.returncode == 130, err
+        assert process.returncode == code, err
         assert b"20 message(s)" in err and b"interrupted" in err
         assert await _queue_depth(broker_url, queue) == 0
+
+    async def test_consume_into_head_ends_quietly(self, broker_url: str, queue: str) -> None:
+        """`consume Q | head -1`: head leaves after one line; exit 141, the unwritten stay queued.
+
+        2,000 bodies of 200 bytes are more than a pipe holds, so consume is still
+        writing when head goes away. Exactly the messages its summary reports as
+        acked (whole batches written before the pipe broke; possibly none) left
+        the queue; the batch being written when it broke went back.
+        """
+        total = 2_000
+        async with ReliablePublisher(broker_url, registry=CollectorRegistry()) as publisher:
+            await publisher.publish_many(
+                Message(b"%04d" % n + b"x" * 196, routing_key=queue) for n in range(total)
+            )
+        script = (
+            f"{sys.executable} -m reliable_mq.cli consume {queue} | head -1; "
+            'echo "consume=${PIPESTATUS[0]}" >&2'
+        )
+        process = await asyncio.create_subprocess_exec(
+            "bash", "-c", script, cwd=ROOT, env=_env(broker_url),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+        assert out.startswith(b"0000x") and out.count(b"\n") == 1
+        assert err.decode().strip().endswith("consume=141"), err
+        assert b"Traceback" not in err and b"BrokenPipe" not in err
+        acked = re.search(rb"reliable-mq: ([\d,]+) message\(s\) .* written and acked", err)
+        assert acked is not None, err
+        taken = int(acked.group(1).replace(b",", b""))
+        assert taken < total
+        assert await _queue_depth(broker_url, queue) == total - taken
+
+    @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+    async def test_outbox_relay_stops_cleanly_on_a_signal(
+        self, broker_url: str, tmp_path: Path, sig: signal.Signals
+    ) -> None:
+        """The relay is a service: SIGTERM or SIGINT drains it and it exits 0, like `run`."""
+        database = str(tmp_path / "outbox.db")
+        assert (await cli("outbox", "init", "--dsn", database)).code == 0
+        process = await _spawn(
+            "outbox", "relay", "--dsn", database, "--log-level", "INFO", url=broker_url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert process.stderr is not None
+        async with asyncio.timeout(60):
+            while b"outbox_relay_started" not in await process.stderr.readline():
+                assert process.returncode is None
+        process.send_signal(sig)
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode == 0, err
+        assert "dispatched" in out.decode()
 
     async def test_log_json_is_pure_json_lines(self, broker_url: str, queue: str) -> None:
         """Every stderr line is JSON, aio-pika's and aiormq's own records and the report too."""

@@ -343,7 +343,7 @@ def test_redis_store_without_redis_hints_the_extra(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setitem(sys.modules, "redis", None)
     monkeypatch.delitem(sys.modules, "reliable_mq.dedup.redis", raising=False)
-    with pytest.raises(ImportError, match=r"pip install 'reliable-mq\[redis\]'"):
+    with pytest.raises(ImportError, match=r"pip install '\.\[redis\]'.*\.whl\[redis\]'"):
         importlib.import_module("reliable_mq.dedup.redis")
 
 

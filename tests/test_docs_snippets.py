@@ -11,9 +11,10 @@ only change made to a block.
 A block may be preceded, on the line right before its fence, by a marker:
 
 ``<!-- docs-test: skip -->``
-    a fragment that cannot run as written (it uses names from the text
-    around it). It is still compiled (top-level ``await`` allowed), so a
-    syntax error fails the test.
+    a block that cannot run here (it needs Spark, a web framework or a
+    database server that is not the test's). It is still compiled (top-level
+    ``await`` allowed), and like every block it must be self-contained: ruff's
+    pyflakes rules find no undefined name and no unused import in it.
 ``<!-- docs-test: interrupt-after-lines N -->``
     a long-running block (a consumer's ``run()``): once it has printed N
     lines on stdout it gets SIGINT, as Ctrl-C would send, and must then exit 0.
@@ -33,11 +34,13 @@ Any other marker fails the test (a typo must not skip a block silently).
 
 from __future__ import annotations
 
+import argparse
 import ast
 import asyncio
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -51,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.support.amqp import run_sync, wait_for_amqp
 
@@ -107,9 +111,9 @@ def _pages() -> list[Page]:
     return [Page(str(path.relative_to(ROOT)), list(_blocks(path))) for path in paths]
 
 
-def _blocks(path: Path) -> Iterator[Block]:
+def _fences(path: Path) -> Iterator[tuple[str, int, list[str], str]]:
+    """Each fenced block: its language, the line of its fence, its lines, the line before."""
     lines = path.read_text().splitlines()
-    page = str(path.relative_to(ROOT))
     index = 0
     while index < len(lines):
         fence = _FENCE.match(lines[index])
@@ -120,12 +124,18 @@ def _blocks(path: Path) -> Iterator[Block]:
         end = index + 1
         while end < len(lines) and not lines[end].strip().startswith("```"):
             end += 1
-        if language in ("python", "py"):
-            body = [line.removeprefix(indent) for line in lines[index + 1 : end]]
-            marker = _MARKER.match(lines[index - 1]) if index else None
-            kind, argument = (marker.group(1), marker.group(2)) if marker else ("run", "")
-            yield Block(page, index + 1, "\n".join(body) + "\n", kind, argument)
+        body = [line.removeprefix(indent) for line in lines[index + 1 : end]]
+        yield language, index + 1, body, lines[index - 1] if index else ""
         index = end + 1
+
+
+def _blocks(path: Path) -> Iterator[Block]:
+    page = str(path.relative_to(ROOT))
+    for language, line, body, before in _fences(path):
+        if language in ("python", "py"):
+            marker = _MARKER.match(before)
+            kind, argument = (marker.group(1), marker.group(2)) if marker else ("run", "")
+            yield Block(page, line, "\n".join(body) + "\n", kind, argument)
 
 
 PAGES = [page for page in _pages() if page.blocks]
@@ -155,6 +165,180 @@ def test_fragments_compile(block: Block) -> None:
         compile(block.source, block.where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
     except SyntaxError as exc:
         pytest.fail(f"{block.where}: {exc}")
+
+
+_NAME_RULES = "F821,F401,F811,F841"
+"""pyflakes rules every block must pass: undefined, unused or redefined names."""
+
+
+def _ruff_findings(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Run ruff's pyflakes rules over each source; findings by key (one ruff process)."""
+    folder = Path(tempfile.mkdtemp(prefix="docs-blocks-"))
+    try:
+        names = {f"block_{n}.py": key for n, key in enumerate(sources)}
+        for name, key in names.items():
+            (folder / name).write_text(sources[key])
+        done = subprocess.run(
+            [sys.executable, "-m", "ruff", "check", "--isolated", "--select", _NAME_RULES,
+             "--output-format", "json", "--no-cache", "--exit-zero", str(folder)],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        findings: dict[str, list[str]] = {key: [] for key in sources}
+        for item in json.loads(done.stdout):
+            key = names[Path(item["filename"]).name]
+            line = item["location"]["row"]
+            findings[key].append(f"line {line}: {item['code']} {item['message']}")
+        return findings
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_every_block_defines_what_it_uses() -> None:
+    """No block (run or skipped) uses a name it does not define or import.
+
+    A skipped block is never run, and the body of a handler a block only
+    registers never runs either: a NameError there would reach the reader,
+    not the test. Blocks written to a file for the next ones (``file``) and
+    test modules (``pytest``, whose fixtures are parameters) are checked too.
+    """
+    blocks = {block.where: block.source for page in PAGES for block in page.blocks}
+    findings = _ruff_findings(blocks)
+    bad = {where: found for where, found in findings.items() if found}
+    assert not bad, "\n".join(f"{where}: {'; '.join(found)}" for where, found in bad.items())
+
+
+def test_name_check_catches_an_undefined_name() -> None:
+    """The check above can fail: the original getting-started bug is caught."""
+    findings = _ruff_findings(
+        {
+            "bad": "from reliable_mq import ReliableConsumer\n\n"
+            "consumer = ReliableConsumer(url)\n\n\n"
+            "@consumer.handler('orders')\nasync def on_order(order: Order) -> None:\n"
+            "    ship(order)\n",
+            "good": "import json\n\nprint(json.dumps(1))\n",
+        }
+    )
+    assert len(findings["bad"]) == 3 and all("F821" in f for f in findings["bad"])
+    assert findings["good"] == []
+
+
+# -- command lines -----------------------------------------------------------------------
+
+_SHELL_LANGUAGES = ("bash", "sh", "shell", "console", "")
+
+
+def _command_lines() -> Iterator[tuple[str, list[str]]]:
+    """Every ``reliable-mq ...`` command in a shell block of README.md and docs/.
+
+    Continuation lines are joined, comments dropped, and pipelines and ``&&``
+    lists split; a command may follow ``VAR=value`` assignments or a path
+    (``ExecStart=/srv/app/.venv/bin/reliable-mq run ...``).
+    """
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        page = str(path.relative_to(ROOT))
+        for language, fence_line, lines, _ in _fences(path):
+            if language == "yaml":
+                yield from _yaml_commands(f"{page}:{fence_line}", yaml.safe_load("\n".join(lines)))
+                continue
+            body = lines
+            if language == "ini":  # a systemd unit: only its Exec lines are commands
+                body = [line if line.startswith("Exec") else "" for line in lines]
+            elif language not in _SHELL_LANGUAGES:
+                continue
+            number = 0
+            while number < len(body):
+                first, line = number, body[number]
+                while line.endswith("\\") and number + 1 < len(body):
+                    number += 1
+                    line = line[:-1] + " " + body[number]
+                number += 1
+                if "reliable-mq" in line:
+                    yield from _commands_in(f"{page}:{fence_line + 1 + first}", line)
+
+
+def _commands_in(where: str, line: str) -> Iterator[tuple[str, list[str]]]:
+    """The arguments of each ``reliable-mq`` command of one shell line."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    segment: list[str] = []
+    for token in [*lexer, ";"]:
+        if token and set(token) <= set("|&;()<>"):  # an operator ends a command
+            yield from _reliable_mq_args(where, segment)
+            segment = []
+        else:
+            segment.append(token)
+
+
+def _yaml_commands(where: str, node: object) -> Iterator[tuple[str, list[str]]]:
+    """Each list of a YAML document that is a ``reliable-mq`` command (a container's args)."""
+    if isinstance(node, dict):
+        node = list(node.values())
+    if isinstance(node, list):
+        if node and node[0] == "reliable-mq":
+            yield where, [str(word) for word in node[1:]]
+            return
+        for item in node:
+            yield from _yaml_commands(where, item)
+
+
+def _reliable_mq_args(where: str, words: list[str]) -> Iterator[tuple[str, list[str]]]:
+    for position, word in enumerate(words):
+        program = word.split("=", 1)[1] if "=" in word else word
+        if program.rsplit("/", 1)[-1] == "reliable-mq":
+            yield where, words[position + 1 :]
+            return
+        if "=" not in word:  # not an assignment: the command is something else
+            return
+
+
+COMMAND_LINES = list(_command_lines())
+
+
+def test_command_lines_are_found() -> None:
+    """The extractor sees the CLI guide's examples (so the next test checks something)."""
+    pages = {where.rsplit(":", 1)[0] for where, _ in COMMAND_LINES}
+    assert {"docs/guides/cli.md", "docs/deploy.md", "docs/outbox.md"} <= pages
+    assert sum(where.startswith("docs/deploy.md") for where, _ in COMMAND_LINES) == 3
+    assert len(COMMAND_LINES) >= 15
+
+
+@pytest.mark.parametrize(("where", "args"), COMMAND_LINES, ids=[w for w, _ in COMMAND_LINES])
+def test_command_lines_parse(
+    where: str, args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every ``reliable-mq`` command shown in the docs is accepted by the CLI's parser.
+
+    Only parsed (``build_parser().parse_args``), never run: a renamed option, a
+    missing argument or a subcommand that does not exist fails here.
+    """
+    from reliable_mq.cli import build_parser
+
+    try:
+        _no_abbreviations(build_parser()).parse_args(args)
+    except SystemExit as exc:
+        if exc.code not in (0, None):  # --help and --version exit 0
+            pytest.fail(f"{where}: reliable-mq {' '.join(args)}\n{capsys.readouterr().err}")
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The parser, and every sub-parser, refusing abbreviated options (``--work``)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _no_abbreviations(sub)
+    return parser
+
+
+def test_cli_guide_lists_every_subcommand() -> None:
+    """The table at the top of the CLI guide names every subcommand with its help."""
+    from reliable_mq.cli import COMMANDS
+
+    text = (ROOT / "docs" / "guides" / "cli.md").read_text()
+    for command in COMMANDS:
+        row = f"| `reliable-mq {command.name}` | {command.help} |"
+        assert row in text, command.name
 
 
 # -- vhosts ------------------------------------------------------------------------------

@@ -12,8 +12,14 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from reliable_mq import ConsumerError, Delivery, ReliableConsumer, ReliablePublisher, Retry
-from reliable_mq.topology import QueueTopology, delete_topology, prepare_topology
+from reliable_mq import (
+    ConsumerError,
+    Delivery,
+    ReliableConsumer,
+    ReliablePublisher,
+    Retry,
+)
+from reliable_mq.topology import QueueCheck, QueueTopology, delete_topology, prepare_topology
 from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(120)]
@@ -41,6 +47,14 @@ async def _own_queue(broker_url: str) -> AsyncIterator[str]:
 
 def _consumer(url: str, **overrides: Any) -> ReliableConsumer:
     return ReliableConsumer(url, registry=CollectorRegistry(), retry_delays=(0.2,), **overrides)
+
+
+async def _queue_depth(url: str, name: str) -> int:
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(name, passive=True)
+        return int(declared.declaration_result.message_count or 0)
 
 
 async def _queue_exists(url: str, name: str) -> bool:
@@ -77,6 +91,7 @@ class TestExistingQueue:
         detail = warnings[0]["detail"]
         assert "no dead-letter exchange" in detail and f"{own_queue}.dlq" in detail
         assert "rabbitmqctl set_policy" in detail
+        assert "never rejects" in detail and "cannot see it" in detail  # policies are invisible
         started = [e for e in logs if e["event"] == "consuming"]
         assert len(started) == 1 and started[0]["log_level"] == "info"
         assert started[0]["prefetch"] == 200 and started[0]["messages"] == 3
@@ -95,6 +110,7 @@ class TestExistingQueue:
         assert check.adopted and check.messages == 3
         assert "x-dead-letter-exchange" in check.difference
         assert "dropped" in check.missing
+        assert check.arguments == {}  # a plain durable queue: learnt, nothing there
 
     async def test_declared_queue_is_not_adopted(self, broker_url: str) -> None:
         """A fresh name gets the whole set with the consumer's arguments: nothing to warn about."""
@@ -109,6 +125,86 @@ class TestExistingQueue:
                 await delete_topology(await connection.channel(), topology)
         assert not check.adopted and not again.adopted
         assert check.warning(topology) == ""
+
+
+async def _check_queue_made_with(
+    url: str, *, durable: bool = True, **arguments: Any
+) -> tuple[QueueCheck, QueueTopology]:
+    """Declare a queue as another application would, then let prepare_topology adopt it."""
+    name = f"own-{uuid.uuid4().hex[:10]}"
+    topology = QueueTopology(name, retry_delays=(0.2,))
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.declare_queue(name, durable=durable, arguments=arguments)
+        try:
+            check = await prepare_topology(connection, topology)
+        finally:
+            await delete_topology(await connection.channel(), topology)
+    return check, topology
+
+
+class TestAdoptedArguments:
+    """The broker names one differing argument per refusal; the rest are learnt."""
+
+    async def test_limits_hide_no_missing_dead_letter_exchange(self, broker_url: str) -> None:
+        """A TTL and a length limit (the broker names the TTL first): the missing DLX is found."""
+        check, topology = await _check_queue_made_with(
+            broker_url, **{"x-message-ttl": 60_000, "x-max-length": 1_000}
+        )
+        assert check.adopted and "x-message-ttl" in check.difference
+        assert check.arguments == {"x-message-ttl": 60_000, "x-max-length": 1_000}
+        assert "no dead-letter exchange" in check.missing
+        assert "length limit pushes out" in check.missing and "x-message-ttl" in check.missing
+        assert f"dropped instead of reaching {topology.dead_letter_queue}" in check.missing
+
+    async def test_its_own_dead_letter_exchange_is_named(self, broker_url: str) -> None:
+        """A queue dead-lettering elsewhere: rejected messages go there, not to the DLQ."""
+        check, topology = await _check_queue_made_with(
+            broker_url,
+            **{"x-dead-letter-exchange": "ops", "x-dead-letter-routing-key": "parked"},
+        )
+        assert check.arguments == {
+            "x-dead-letter-exchange": "ops",
+            "x-dead-letter-routing-key": "parked",
+        }
+        assert "dead-letters to exchange 'ops' with routing key 'parked'" in check.missing
+        assert f"not to {topology.dead_letter_queue}" in check.missing
+        assert "no dead-letter exchange" not in check.missing
+
+    async def test_a_transient_queue_is_named(self, broker_url: str) -> None:
+        check, _ = await _check_queue_made_with(broker_url, durable=False)
+        assert check.arguments == {}
+        assert "not durable" in check.missing and "no dead-letter exchange" in check.missing
+
+    async def test_an_unpublishable_retry_is_requeued_never_rejected(
+        self, broker_url: str, own_queue: str
+    ) -> None:
+        """Its retry queue gone, a failed message of an adopted queue comes back.
+
+        On a queue the consumer declared, the last resort would be a reject that
+        the broker dead-letters to the DLQ; the adopted queue has no dead-letter
+        exchange, so a reject would drop the message: it is requeued instead.
+        """
+        consumer = _consumer(broker_url, fallback_delay=0.1)
+        seen: list[tuple[str, int]] = []
+        go = asyncio.Event()
+
+        @consumer.handler(own_queue)
+        async def handler(body: bytes, delivery: Delivery) -> None:
+            await go.wait()
+            seen.append((delivery.message_id or "", delivery.attempt))
+            if delivery.message_id == "old-1":
+                raise Retry("needs a retry queue")
+
+        connection = await aio_pika.connect(broker_url)
+        async with connection, consumer:
+            await (await connection.channel()).queue_delete(f"{own_queue}.retry.0.2s")
+            go.set()
+            await wait_until(lambda: seen.count(("old-1", 1)) >= 2, timeout=30)
+        assert seen.count(("old-0", 1)) == 1 and seen.count(("old-2", 1)) == 1
+        assert await _queue_depth(broker_url, own_queue) == 1  # old-1, back in its queue
+        assert await _queue_depth(broker_url, f"{own_queue}.dlq") == 0
 
 
 class TestDeclareFalse:

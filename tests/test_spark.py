@@ -32,7 +32,13 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from reliable_mq import InvalidMessage, InvalidSettings, PublisherSettings, PublishUnroutable
+from reliable_mq import (
+    InvalidMessage,
+    InvalidSettings,
+    PublisherSettings,
+    PublishUnroutable,
+    __version__,
+)
 from reliable_mq._sync import run_sync as _run_sync
 from reliable_mq.spark import (
     HEADER_BATCH_ID,
@@ -340,10 +346,11 @@ class TestSyncBridge:
         assert issubclass(module.DestinationNotFound, ReliableMQError)
         assert issubclass(module.PartitionNotConfirmed, ReliableMQError)
 
-    def test_import_without_pyspark_names_the_extra(self) -> None:
-        """Importing the module without PySpark tells how to install the extra."""
+    @pytest.mark.parametrize("missing", ["pyspark", "pyarrow"])
+    def test_import_without_the_extra_names_it(self, missing: str) -> None:
+        """Importing the module without PySpark or PyArrow tells how to install the extra."""
         code = (
-            "import sys; sys.modules['pyspark'] = None\n"
+            f"import sys; sys.modules[{missing!r}] = None\n"
             "try:\n    import reliable_mq.spark\n"
             "except ImportError as e:\n    print(e)\n"
             "import reliable_mq; assert 'reliable_mq.spark' not in sys.modules\n"
@@ -351,7 +358,9 @@ class TestSyncBridge:
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True
         ).stdout
-        assert "pip install 'reliable-mq[spark]'" in out
+        assert "needs PySpark and PyArrow" in out
+        assert "pip install '.[spark]'" in out
+        assert f"pip install 'reliable_mq-{__version__}-py3-none-any.whl[spark]'" in out
 
 
 @pytest.mark.spark

@@ -5,12 +5,14 @@ Every subcommand is one ``add_*_arguments(parser)`` function and one
 subcommand means writing those two (in a module of this package) and one line
 in the tuple.
 
-Exit codes (the table in ``docs/guides/cli.md``): 0 success; 1 the command
+Exit codes (the tables in ``docs/guides/cli.md``): 0 success; 1 the command
 could not do all of its job (messages not confirmed or not moved, a missing
 queue, a message not found, a refused declaration); 2 bad arguments, invalid
 settings or an unreachable broker (one line on stderr, passwords redacted);
 130 SIGINT and 143 SIGTERM (after a partial summary); 141 the output was closed
-early (a broken pipe, as with ``| head``).
+early (a broken pipe, as with ``| head``). The two services, ``run`` and
+``outbox relay``, take SIGTERM and SIGINT as the request to stop: after a
+clean drain they exit 0, as systemd and Kubernetes expect.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Loss-proof RabbitMQ tools: every message confirmed by the broker.",
         epilog="exit codes: 0 ok; 1 not all done (messages not confirmed or moved, a missing "
         "queue or message); 2 bad arguments or broker unreachable; 130 SIGINT, 143 SIGTERM "
-        "(after a partial summary); 141 output closed early (broken pipe)",
+        "(after a partial summary); 141 output closed early (broken pipe). The services "
+        "(run, outbox relay) exit 0 after a clean drain on SIGTERM or SIGINT",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

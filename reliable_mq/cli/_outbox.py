@@ -61,7 +61,10 @@ def add_outbox_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the SQL for this database kind instead (for a migration); needs no --dsn",
     )
 
-    relay = action("relay", "publish committed outbox rows with confirms until SIGTERM/SIGINT")
+    relay = action(
+        "relay",
+        "publish committed outbox rows with confirms until SIGTERM/SIGINT (then exit 0)",
+    )
     relay.add_argument("--batch-size", type=positive_int, default=500)
     relay.add_argument("--poll-interval", type=positive_float, default=1.0, metavar="SECONDS")
     relay.add_argument(
@@ -132,17 +135,28 @@ async def _relay(args: argparse.Namespace) -> int:
         table=args.table,
         name=args.name,
     )
-    async with relay:
-        if args.once:
-            while await relay.run_once():
-                pass
-        else:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(NotImplementedError, RuntimeError):
-                    loop.add_signal_handler(sig, relay.stop)
-            await relay.run()
-        stats = relay.stats()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    if not args.once:
+        # A service: SIGTERM/SIGINT is the request to stop, not a failure. The
+        # relay finishes its batch and the command exits 0 (a clean stop for
+        # systemd and Kubernetes), like `reliable-mq run`. Installed before the
+        # relay starts, so a signal while it starts stops it the same way.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, relay.stop)
+                installed.append(sig)
+    try:
+        async with relay:
+            if args.once:
+                while await relay.run_once():
+                    pass
+            else:
+                await relay.run()  # returns at once if stop() came during the start
+            stats = relay.stats()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
     print_table(
         [
             ("dispatched", f"{stats.dispatched:,}"),

@@ -2,7 +2,7 @@
 
 ``MemoryDedupStore`` (one process) and ``SQLiteDedupStore`` (one host) are
 here; ``RedisDedupStore`` (every host) lives in `reliable_mq.dedup.redis`
-and needs the ``redis`` extra: ``pip install 'reliable-mq[redis]'``.
+and needs the ``redis`` extra: from a clone, ``pip install '.[redis]'``.
 """
 
 from .base import AlreadyProcessed, ClaimResult, DedupStore, DedupStoreUnavailable

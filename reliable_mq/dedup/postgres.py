@@ -18,7 +18,7 @@ async def credit(conn: psycopg.AsyncConnection) -> None:
 await store.run_once(delivery.message_id, credit)  # AlreadyProcessed: ack and skip
 ```
 
-Install with ``pip install 'reliable-mq[postgres]'``.
+Needs the ``postgres`` extra (from a clone: ``pip install '.[postgres]'``).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ try:
     import psycopg
     from psycopg import sql
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "PostgresDedupStore needs psycopg 3: pip install 'reliable-mq[postgres]'"
-    ) from exc
+    from .._extras import missing_extra
+
+    raise ImportError(missing_extra("PostgresDedupStore needs psycopg 3", "postgres")) from exc
 
 from ..outbox._dsn import error_text
 from ..outbox._schema import check_table_name

@@ -8,7 +8,7 @@ scripts: one round trip, atomic against every other client.
 Socket timeouts are short on purpose: an unreachable Redis must surface as
 [`DedupStoreUnavailable`][reliable_mq.dedup.DedupStoreUnavailable] quickly (the consumer then
 leaves the message unacked), not stall deliveries. Install with
-``pip install 'reliable-mq[redis]'``.
+the ``redis`` extra (from a clone: ``pip install '.[redis]'``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ try:
     from redis.backoff import NoBackoff
     from redis.exceptions import RedisError
 except ImportError as exc:  # pragma: no cover - exercised by a test with redis hidden
-    raise ImportError(
-        "RedisDedupStore needs the redis package: pip install 'reliable-mq[redis]'"
-    ) from exc
+    from .._extras import missing_extra
+
+    raise ImportError(missing_extra("RedisDedupStore needs the redis package", "redis")) from exc
 
 from .base import ClaimResult, DedupStoreUnavailable
 

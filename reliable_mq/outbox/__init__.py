@@ -15,7 +15,7 @@ publishes nothing; a committed one is published at least once, in
 ``ordering_key`` order. The consumer side (the inbox) is
 [PostgresDedupStore][reliable_mq.dedup.postgres.PostgresDedupStore].
 
-PostgreSQL needs the ``postgres`` extra (``pip install 'reliable-mq[postgres]'``)
+PostgreSQL needs the ``postgres`` extra (from a clone: ``pip install '.[postgres]'``)
 for the relay; SQLite works with the standard library alone.
 """
 

@@ -27,9 +27,9 @@ try:
     import psycopg
     from psycopg import sql
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "the PostgreSQL outbox needs psycopg 3: pip install 'reliable-mq[postgres]'"
-    ) from exc
+    from .._extras import missing_extra
+
+    raise ImportError(missing_extra("the PostgreSQL outbox needs psycopg 3", "postgres")) from exc
 
 from ._backend import Backlog, OutboxRow, RowOutcome, RowResult
 from ._dsn import error_text

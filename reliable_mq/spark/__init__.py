@@ -1,7 +1,7 @@
 """Publish a Spark DataFrame to RabbitMQ so that a job's success means every row was confirmed.
 
-An optional extra: ``pip install 'reliable-mq[spark]'`` (PySpark 4.1+ and
-PyArrow). Nothing in ``reliable_mq/__init__.py`` imports this package.
+An optional extra, ``spark`` (PySpark 4.1+ and PyArrow): from a clone,
+``pip install '.[spark]'``. Nothing in ``reliable_mq/__init__.py`` imports this package.
 
 ```python
 from reliable_mq.spark import PublishSpec, foreach_batch_sink, publish_dataframe, register_data_source
@@ -45,9 +45,14 @@ job, the report), ``_stream`` (micro-batches and stopping), ``datasource``
 from __future__ import annotations
 
 try:
+    import pyarrow  # noqa: F401
     import pyspark  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
-    raise ImportError("reliable_mq.spark needs PySpark: pip install 'reliable-mq[spark]'") from exc
+    from .._extras import missing_extra
+
+    raise ImportError(
+        missing_extra("reliable_mq.spark needs PySpark and PyArrow", "spark")
+    ) from exc
 
 from ._driver import (
     PublishReport,
