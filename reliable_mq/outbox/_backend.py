@@ -54,10 +54,15 @@ class RowOutcome(enum.StrEnum):
     """The broker confirmed it: the row is deleted (or kept as ``sent``)."""
 
     RETRY = "retry"
-    """The outcome is unknown or the broker is away: pending again after a backoff."""
+    """Nacked, or not confirmed while the broker was reachable: one attempt counted,
+    pending again after a backoff (``dead`` once ``max_attempts`` are spent)."""
+
+    DEFERRED = "deferred"
+    """The broker could not be reached: pending again as it was, no attempt counted."""
 
     DEAD = "dead"
-    """Refused for good (unroutable, too large, refused): moved to the ``dead`` state."""
+    """Refused for good (unroutable, too large, refused), or out of attempts:
+    moved to the ``dead`` state with its reason."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -218,7 +218,8 @@ class PostgresBackend:
             else:
                 query = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s)").format(t=self._table)
             await self._run(query, (confirmed,))
-        failed = [r for r in results if r.outcome is not RowOutcome.CONFIRMED]
+        # DEFERRED rows are left as they were: the commit unlocks them.
+        failed = [r for r in results if r.outcome in (RowOutcome.RETRY, RowOutcome.DEAD)]
         if failed:
             initial, ceiling = self._retry_backoff
             await self._run(

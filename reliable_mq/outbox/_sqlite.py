@@ -170,6 +170,10 @@ class SQLiteBackend:
                     )
                 else:
                     conn.execute(f"DELETE FROM {t} WHERE id = ?", (row.id,))
+            elif result.outcome is RowOutcome.DEFERRED:  # as it was, unclaimed
+                conn.execute(
+                    f"UPDATE {t} SET claimed_by = NULL, claimed_until = 0 WHERE id = ?", (row.id,)
+                )
             elif result.outcome is RowOutcome.DEAD:
                 conn.execute(
                     f"UPDATE {t} SET state = 'dead', done_at = ?, last_error = ?,"

@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
+import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aio_pika
+import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
 from reliable_mq import PublisherSettings, ReliableConsumer
-from reliable_mq.outbox import OutboxRelay, RelaySettings
+from reliable_mq.outbox import OutboxRelay, RelaySettings, add
+from reliable_mq.outbox.admin import create_schema, outbox_status
 from reliable_mq.testing import TCPProxy
 from tests.faults.harness import connection
 from tests.outbox.scenario import OutboxSystem, kill, read_line, worker
+from tests.support.amqp import drain_queue
 from tests.support.private_postgres import PrivatePostgres
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
@@ -182,3 +189,89 @@ async def test_private_broker_restarted(pg: PrivatePostgres, private_broker: Any
             await finish(system, url)
     finally:
         await system.teardown()
+
+
+@pytest.mark.private_broker
+async def test_broker_outage_burns_no_attempts(pg: PrivatePostgres, private_broker: Any) -> None:
+    """The broker node is down for many retry rounds: nothing is dead-lettered, all goes out after.
+
+    ``max_attempts=2`` and a fast retry schedule: had the outage counted, every
+    row claimed during it would be dead within a second.
+    """
+    url = private_broker.url
+    table, queue = f"outage_{uuid.uuid4().hex[:8]}", f"outage-{uuid.uuid4().hex[:8]}"
+    await create_schema(pg.dsn, table=table)
+    connection_ = await aio_pika.connect(url, timeout=10)
+    async with connection_:
+        await (await connection_.channel()).declare_queue(queue, durable=True)
+    written: list[str] = []
+    enough = asyncio.Event()
+
+    async def writer() -> None:
+        """Service A, all along: 10 keys and unkeyed rows."""
+        async with await psycopg.AsyncConnection.connect(pg.dsn) as conn:
+            for n in itertools.count():
+                if enough.is_set():
+                    return
+                mid, key = f"w{n:05d}", f"k{n % 10}" if n % 3 else None
+                async with conn.transaction():
+                    await add(
+                        conn, b"x", routing_key=queue, message_id=mid, ordering_key=key, table=table
+                    )
+                written.append(mid)
+                await asyncio.sleep(0.01)
+
+    relay = OutboxRelay(
+        pg.dsn,
+        connection(url, "outbox-outage"),
+        settings=RelaySettings(
+            batch_size=50,
+            poll_interval=0.2,
+            publish_timeout=1.0,
+            max_attempts=2,
+            retry_backoff_initial=0.05,
+            retry_backoff_max=0.1,
+            reconnect_delay_max=0.3,
+        ),
+        publisher_settings=PublisherSettings(unavailable_timeout=0.5, publish_timeout=1.0),
+        table=table,
+        registry=CollectorRegistry(),
+    )
+    try:
+        async with relay:
+            running = asyncio.ensure_future(relay.run())
+            writing = asyncio.ensure_future(writer())
+            try:
+                while relay.stats().dispatched < 50:
+                    assert not running.done() and not writing.done()
+                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(private_broker.stop)
+                await asyncio.sleep(6)  # many claim rounds against a dead broker
+                during = relay.stats()
+                assert during.dead == 0 and during.broker_outages >= 3, during
+                assert during.deferred > 0, during
+                await asyncio.to_thread(private_broker.start)
+                await asyncio.sleep(1)
+                enough.set()
+                await writing
+                status = await outbox_status(pg.dsn, table=table)
+                deadline = time.monotonic() + 60
+                while status.pending or status.dead:
+                    assert status.dead == 0, status
+                    assert time.monotonic() < deadline, (status, relay.stats())
+                    await asyncio.sleep(0.2)
+                    status = await outbox_status(pg.dsn, table=table)
+            finally:
+                enough.set()
+                await asyncio.gather(writing, return_exceptions=True)
+                relay.stop()
+                await asyncio.wait_for(running, 30)
+            stats = relay.stats()
+        assert stats.dead == 0 and stats.retried == 0, stats
+        drained = await drain_queue(url, queue, idle_timeout=1.0)
+        assert {m.message_id for m in drained} == set(written)
+    finally:
+        if not private_broker.is_running():
+            await asyncio.to_thread(private_broker.start)
+        async with await psycopg.AsyncConnection.connect(pg.dsn, autocommit=True) as conn:
+            await conn.execute(f"DROP TABLE IF EXISTS {table}")

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
@@ -18,11 +19,22 @@ from structlog.testing import capture_logs
 
 from reliable_mq import PublisherSettings
 from reliable_mq.cli import main
+from reliable_mq.errors import (
+    ClosedError,
+    PublishAborted,
+    PublishGaveUp,
+    PublishOutcomeUnknown,
+    PublishTimeout,
+    PublishUnavailable,
+    ReliableMQError,
+)
 from reliable_mq.outbox import (
     OutboxError,
     OutboxRelay,
+    OutboxRow,
     OutboxUnavailable,
     RelaySettings,
+    RowOutcome,
     add,
     add_sync,
     schema_sql,
@@ -224,6 +236,154 @@ class TestDispatch:
         await drain_queue(broker_url, queue, idle_timeout=0.3)
 
 
+class TestAttempts:
+    async def test_a_nacked_row_backs_off_then_goes_dead_blocking_only_its_key(
+        self,
+        pg: PrivatePostgres,
+        table: str,
+        broker_url: str,
+        queue: str,
+        amqp: aio_pika.abc.AbstractChannel,
+    ) -> None:
+        """Real nacks: K's head is retried with a backoff, K's next row waits, other keys go on.
+
+        After ``max_attempts`` nacked dispatches the head is dead with its
+        reason, and only then does K's next row go out.
+        """
+        full = f"full-{uuid.uuid4().hex[:8]}"
+        refusing = await amqp.declare_queue(
+            full, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+        )
+        await write(
+            pg.dsn,
+            table,
+            [
+                {"routing_key": full, "message_id": "K1", "ordering_key": "K"},
+                {"routing_key": queue, "message_id": "K2", "ordering_key": "K"},
+                {"routing_key": queue, "message_id": "L1", "ordering_key": "L"},
+                {"routing_key": queue, "message_id": "U1"},
+            ],
+        )
+        registry = CollectorRegistry()
+        try:
+            async with relay_for(
+                pg.dsn,
+                broker_url,
+                table,
+                registry,
+                max_attempts=3,
+                retry_backoff_initial=0.4,
+                retry_backoff_max=0.4,
+                publisher_settings=PublisherSettings(max_attempts=1),
+            ) as relay:
+                assert await relay.run_once() == 3  # K1 (nacked), L1, U1; K2 is not K's head
+                assert (relay.stats().dispatched, relay.stats().retried) == (2, 1)
+                # K1 backs off; K2 waits behind it; nothing else is there.
+                assert await relay.run_once() == 0
+                rows = await _pending(pg.dsn, table)
+                assert rows["K1"][0] == 1 and rows["K1"][1] > 0.2  # one attempt, due later
+                assert rows["K2"] == (0, 0.0)
+                running = asyncio.ensure_future(relay.run())
+                try:
+                    deadline = time.monotonic() + 20
+                    while relay.stats().dispatched < 3:
+                        assert time.monotonic() < deadline, relay.stats()
+                        await asyncio.sleep(0.02)
+                finally:
+                    relay.stop()
+                    await asyncio.wait_for(running, 10)
+                stats = relay.stats()
+                assert (stats.dead, stats.retried, stats.deferred) == (1, 2, 0), stats
+                # Three dispatches in all, a backoff apart: no hot loop.
+                assert relay._publisher.stats().nacked == 3
+            (dead,) = await dead_rows(pg.dsn, table=table)
+            assert (dead.message_id, dead.attempts) == ("K1", 3)
+            assert dead.last_error.startswith("gave up after 3 attempts; last: PublishGaveUp")
+            drained = [m.message_id for m in await drain_queue(broker_url, queue, idle_timeout=0.5)]
+            assert drained == ["L1", "U1", "K2"]
+            failed = "reliable_mq_outbox_failed_rows_total"
+            for outcome, count in (("retry", 2), ("dead", 1)):
+                labels = {"table": table, "outcome": outcome}
+                assert registry.get_sample_value(failed, labels) == count, outcome
+        finally:
+            await refusing.delete(if_unused=False, if_empty=False)
+
+    async def test_unlimited_attempts_keep_a_row_pending(
+        self,
+        pg: PrivatePostgres,
+        table: str,
+        broker_url: str,
+        amqp: aio_pika.abc.AbstractChannel,
+    ) -> None:
+        """``max_attempts=None``: a row nacked again and again stays pending."""
+        full = f"full-{uuid.uuid4().hex[:8]}"
+        refusing = await amqp.declare_queue(
+            full, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+        )
+        await write(pg.dsn, table, [{"routing_key": full, "message_id": "K1"}])
+        try:
+            async with relay_for(
+                pg.dsn,
+                broker_url,
+                table,
+                max_attempts=None,
+                retry_backoff_initial=0.01,
+                retry_backoff_max=0.01,
+                publisher_settings=PublisherSettings(max_attempts=1),
+            ) as relay:
+                for _ in range(5):
+                    await asyncio.sleep(0.02)
+                    await relay.run_once()
+                assert relay.stats().dead == 0 and relay.stats().retried >= 4
+            assert (await _pending(pg.dsn, table))["K1"][0] >= 4
+        finally:
+            await refusing.delete(if_unused=False, if_empty=False)
+
+
+class TestFailureClassification:
+    """Which publish failures count as an attempt of the row (no I/O)."""
+
+    @pytest.mark.parametrize(
+        ("error", "reachable", "outcome"),
+        [
+            (PublishGaveUp("nacked", message_id="m", attempts=5), True, RowOutcome.RETRY),
+            (PublishGaveUp("nacked", message_id="m", attempts=5), False, RowOutcome.RETRY),
+            (PublishTimeout("late", message_id="m", attempts=1), True, RowOutcome.RETRY),
+            (PublishOutcomeUnknown("?", message_id="m", attempts=2), True, RowOutcome.RETRY),
+            # The connection dropped during the batch, or the message never got out.
+            (PublishTimeout("late", message_id="m", attempts=1), False, RowOutcome.DEFERRED),
+            (PublishTimeout("late", message_id="m", attempts=0), True, RowOutcome.DEFERRED),
+            (PublishUnavailable("down", message_id="m", attempts=0), True, RowOutcome.DEFERRED),
+            (PublishUnavailable("down", message_id="m", attempts=3), True, RowOutcome.DEFERRED),
+            (PublishAborted("closing", message_id="m", attempts=1), True, RowOutcome.DEFERRED),
+            (ClosedError("publisher is closed"), True, RowOutcome.DEFERRED),
+        ],
+    )
+    def test_outcome(
+        self, tmp_path: Path, error: ReliableMQError, reachable: bool, outcome: RowOutcome
+    ) -> None:
+        """Broker outages are deferred uncounted; failures of the message itself count."""
+        relay = OutboxRelay(tmp_path / "x.db", "amqp://guest:guest@127.0.0.1:1/")
+        assert relay._failed(_row(attempts=0), error, reachable=reachable).outcome is outcome
+
+    def test_the_last_counted_attempt_is_dead(self, tmp_path: Path) -> None:
+        """The ``max_attempts``-th counted failure dead-letters; a deferral never does."""
+        relay = OutboxRelay(
+            tmp_path / "x.db",
+            "amqp://guest:guest@127.0.0.1:1/",
+            settings=RelaySettings(max_attempts=3),
+        )
+        nack = PublishGaveUp("nacked", message_id="m", attempts=5)
+        assert relay._failed(_row(attempts=1), nack, reachable=True).outcome is RowOutcome.RETRY
+        last = relay._failed(_row(attempts=2), nack, reachable=True)
+        assert last.outcome is RowOutcome.DEAD
+        assert last.reason.startswith("gave up after 3 attempts; last: PublishGaveUp")
+        down = PublishUnavailable("down", message_id="m", attempts=0)
+        assert relay._failed(_row(attempts=99), down, reachable=False).outcome is (
+            RowOutcome.DEFERRED
+        )
+
+
 class TestErrors:
     async def test_missing_table(self, pg: PrivatePostgres, broker_url: str) -> None:
         relay = relay_for(pg.dsn, broker_url, "no_such_outbox")
@@ -380,6 +540,31 @@ async def _rows(dsn: str, table: str) -> int:
         cursor = await conn.execute(f"SELECT count(*) FROM {table}")
         row = await cursor.fetchone()
         return int(row[0]) if row else -1
+
+
+async def _pending(dsn: str, table: str) -> dict[str, tuple[int, float]]:
+    """Pending rows by message id: (attempts, seconds until due, 0 if due)."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cursor = await conn.execute(
+            f"SELECT message_id, attempts,"
+            f" extract(epoch FROM greatest(available_at, now()) - now())::float8"
+            f" FROM {table} WHERE state = 'pending'"
+        )
+        return {mid: (int(n), float(due)) for mid, n, due in await cursor.fetchall()}
+
+
+def _row(*, attempts: int) -> OutboxRow:
+    return OutboxRow(
+        id=1,
+        message_id="m",
+        exchange="",
+        routing_key="rk",
+        ordering_key=None,
+        body=b"x",
+        properties={},
+        attempts=attempts,
+        created_at=0.0,
+    )
 
 
 async def _drop(dsn: str, table: str) -> None:
