@@ -4,11 +4,15 @@ Two implementations: [PostgresBackend][reliable_mq.outbox._postgres.PostgresBack
 (``FOR UPDATE SKIP LOCKED``, the batch's transaction held until its confirms are
 in, ``LISTEN/NOTIFY``) and ``SQLiteBackend`` (a lease per claimed row, polling).
 
-Both pick the same rows: among the oldest pending rows (a window of
-``scan_limit``), every row without an ordering key, and for each ordering key
-only its oldest pending row, and only if that row is free. A key's next row is
-claimable once its head is gone (confirmed, or dead-lettered), so one key's
-rows are dispatched one after the other, whichever relay takes them.
+Both pick the same rows: the oldest pending rows without an ordering key, and
+for each ordering key only its oldest pending row (its head), and only if that
+row is free and due. Keys are visited ``scan_limit`` at a time, in key order,
+each claim going on from where the last one stopped (wrapping around), so a key
+with a long backlog takes one row per claim and never hides the other keys.
+A key's next row is claimable once its head is gone (confirmed, or
+dead-lettered); a head that backs off after a failure keeps its key waiting.
+So one key's rows are dispatched one after the other, whichever relay takes
+them.
 """
 
 from __future__ import annotations

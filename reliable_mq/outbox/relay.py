@@ -73,7 +73,8 @@ class RelaySettings(_Settings):
     scan_limit: int | None = Field(
         default=None,
         ge=1,
-        description="oldest pending rows looked at per claim; default 4 x batch_size",
+        le=100_000,
+        description="ordering keys (and unkeyed rows) looked at per claim; default 4 x batch_size",
     )
     listen: bool = Field(default=True, description="wake on LISTEN/NOTIFY (PostgreSQL)")
     poll_interval: float = Field(
@@ -312,6 +313,9 @@ class OutboxRelay:
         relay never gives up on its rows. So is a broker outage: a batch that
         found the broker unreachable puts its rows back uncounted, and the
         relay pauses (doubling up to ``reconnect_delay_max``) before the next.
+        After a batch that held rows the relay claims again at once (a key's
+        next row may be claimable now); it waits for a notification or
+        ``poll_interval`` only when a claim finds nothing.
 
         Raises:
             OutboxError: the table does not exist (at start or later).
@@ -329,7 +333,7 @@ class OutboxRelay:
                 continue
             if self._broker_down:
                 await self._broker_pause()
-            elif handled < self.settings.batch_size:
+            elif not handled:
                 await self._idle()
 
     async def run_once(self) -> int:

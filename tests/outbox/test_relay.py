@@ -7,7 +7,7 @@ import re
 import sqlite3
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ from reliable_mq.outbox import (
     add_sync,
     schema_sql,
 )
+from reliable_mq.outbox._backend import RowResult
+from reliable_mq.outbox._postgres import PostgresBackend
 from reliable_mq.outbox.admin import create_schema, dead_rows, outbox_status, requeue_dead
 from reliable_mq.testing import TCPProxy
 from tests.support.amqp import drain_queue
@@ -234,6 +236,128 @@ class TestDispatch:
             assert await relay.cleanup() == 10
         assert await _rows(pg.dsn, table) == 0
         await drain_queue(broker_url, queue, idle_timeout=0.3)
+
+
+class TestFairness:
+    async def test_a_hot_key_never_stalls_the_other_keys(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        """5,000 rows of one key, then 200 rows over 50 keys: the 50 keys go out in the first batches.
+
+        Each claim takes the hot key's head and the head of every other key,
+        so the other keys' four rows each are out after four batches, long
+        before the hot key drains; every key keeps its order.
+        """
+        async with await psycopg.AsyncConnection.connect(pg.dsn) as conn:
+            await conn.execute(
+                f"INSERT INTO {table} (message_id, routing_key, ordering_key, body)"
+                " SELECT 'hot-' || lpad(n::text, 5, '0'), %s, 'hot', '\\x00'"
+                " FROM generate_series(0, 4999) AS n",
+                (queue,),
+            )
+            await conn.commit()
+        await write(
+            pg.dsn,
+            table,
+            [
+                {
+                    "routing_key": queue,
+                    "message_id": f"k{n % 50:02d}-{n // 50}",
+                    "ordering_key": f"k{n % 50:02d}",
+                }
+                for n in range(200)
+            ],
+        )
+        batch_of: dict[str, int] = {}
+
+        def dispatched(rows: Sequence[OutboxRow]) -> None:
+            number = len({*batch_of.values()}) + 1
+            batch_of.update((row.message_id, number) for row in rows)
+
+        relay = OutboxRelay(
+            pg.dsn,
+            broker_url,
+            settings=RelaySettings(batch_size=500, poll_interval=0.2),
+            table=table,
+            registry=CollectorRegistry(),
+            on_dispatched=dispatched,
+        )
+        others = {f"k{n % 50:02d}-{n // 50}" for n in range(200)}
+        async with relay:
+            running = asyncio.ensure_future(relay.run())
+            try:
+                deadline = time.monotonic() + 30
+                while not others <= batch_of.keys():
+                    assert time.monotonic() < deadline, relay.stats()
+                    await asyncio.sleep(0.01)
+            finally:
+                relay.stop()
+                await asyncio.wait_for(running, 10)
+        assert max(batch_of[mid] for mid in others) <= 4, sorted(batch_of.values())[-5:]
+        hot_out = sum(1 for mid in batch_of if mid.startswith("hot-"))
+        assert hot_out < 100  # the hot key is far from drained
+        drained = [
+            m.message_id or "" for m in await drain_queue(broker_url, queue, idle_timeout=0.5)
+        ]
+        by_key: dict[str, list[str]] = {}
+        for mid in drained:
+            by_key.setdefault(mid.split("-")[0], []).append(mid)
+        assert by_key.pop("hot") == [f"hot-{n:05d}" for n in range(hot_out)]
+        assert len(by_key) == 50
+        for key, mids in by_key.items():
+            assert mids == [f"{key}-{n}" for n in range(4)], mids
+
+    async def test_two_relays_never_hold_one_key_at_once(
+        self, pg: PrivatePostgres, table: str, broker_url: str
+    ) -> None:
+        """While one relay's batch holds a key's head, another relay claims nothing of that key."""
+        events: list[dict[str, Any]] = [
+            {"routing_key": "rk", "message_id": f"{key}{n}", "ordering_key": key}
+            for n in range(3)
+            for key in ("a", "b", "c")
+        ]
+        events += [{"routing_key": "rk", "message_id": f"u{n}"} for n in range(4)]
+        await write(pg.dsn, table, events)
+        first, second = _backend(pg.dsn, table), _backend(pg.dsn, table)
+        try:
+            await first.open()
+            await second.open()
+            held = await first.claim(2)  # a0, b0: the two oldest heads
+            assert [r.message_id for r in held] == ["a0", "b0"]
+            taken = await second.claim(100)  # c0 and the unkeyed rows; nothing of a or b
+            assert sorted(r.message_id for r in taken) == ["c0", "u0", "u1", "u2", "u3"]
+            await first.finish([RowResult(r, RowOutcome.CONFIRMED) for r in held])
+            await second.abandon()
+            again = await second.claim(100)  # a and b's next rows now; c0 was given back
+            assert sorted(r.message_id for r in again) == ["a1", "b1", "c0", "u0", "u1", "u2", "u3"]
+            await second.abandon()
+        finally:
+            await first.close()
+            await second.close()
+
+    async def test_keys_beyond_one_scan_are_reached_in_turn(
+        self, pg: PrivatePostgres, table: str
+    ) -> None:
+        """More keys than ``scan_limit``: each claim goes on from the last key seen, wrapping."""
+        await write(
+            pg.dsn,
+            table,
+            [
+                {"routing_key": "rk", "message_id": f"k{n}", "ordering_key": f"k{n}"}
+                for n in range(5)
+            ],
+        )
+        backend = _backend(pg.dsn, table, scan_limit=2)
+        try:
+            await backend.open()
+            seen = []
+            for _ in range(4):
+                rows = await backend.claim(10)
+                seen.append(sorted(r.ordering_key or "" for r in rows))
+                await backend.abandon()
+            assert seen == [["k0", "k1"], ["k2", "k3"], ["k0", "k4"], ["k1", "k2"]]
+        finally:
+            await backend.close()
 
 
 class TestAttempts:
@@ -459,6 +583,48 @@ class TestSQLite:
         assert (status.pending, status.dead) == (0, 1)
         conn.close()
 
+    async def test_a_hot_key_never_stalls_the_other_keys(self, tmp_path: Path) -> None:
+        """As in PostgreSQL: every claim takes each key's head, however long the hot key's backlog."""
+        from reliable_mq.outbox._sqlite import SQLiteBackend
+
+        path = tmp_path / "hot.db"
+        conn = sqlite3.connect(path)
+        for statement in schema_sql("sqlite"):
+            conn.execute(statement)
+        for n in range(3000):
+            add_sync(conn, b"x", routing_key="rk", message_id=f"hot-{n}", ordering_key="hot")
+        for n in range(20):
+            add_sync(
+                conn,
+                b"x",
+                routing_key="rk",
+                message_id=f"k{n % 5}-{n // 5}",
+                ordering_key=f"k{n % 5}",
+            )
+        add_sync(conn, b"x", routing_key="rk", message_id="free")
+        conn.commit()
+        conn.close()
+        backend = SQLiteBackend(
+            path,
+            table="reliable_mq_outbox",
+            owner="a",
+            scan_limit=100,
+            lease=60,
+            keep_sent=0,
+            retry_backoff=(1, 1),
+        )
+        try:
+            batches = []
+            for _ in range(4):
+                rows = await backend.claim(100)
+                batches.append(sorted(r.message_id for r in rows))
+                await backend.finish([RowResult(r, RowOutcome.CONFIRMED) for r in rows])
+            assert batches[0] == ["free", "hot-0", "k0-0", "k1-0", "k2-0", "k3-0", "k4-0"]
+            for n in range(1, 4):
+                assert batches[n] == [f"hot-{n}", *(f"k{k}-{n}" for k in range(5))]
+        finally:
+            await backend.close()
+
     async def test_lease_keeps_two_relays_apart(self, tmp_path: Path, broker_url: str) -> None:
         from reliable_mq.outbox._sqlite import SQLiteBackend
 
@@ -551,6 +717,18 @@ async def _pending(dsn: str, table: str) -> dict[str, tuple[int, float]]:
             f" FROM {table} WHERE state = 'pending'"
         )
         return {mid: (int(n), float(due)) for mid, n, due in await cursor.fetchall()}
+
+
+def _backend(dsn: str, table: str, *, scan_limit: int = 100) -> PostgresBackend:
+    return PostgresBackend(
+        dsn,
+        table=table,
+        scan_limit=scan_limit,
+        listen=False,
+        keep_sent=0,
+        retry_backoff=(1, 1),
+        transaction_timeout=30,
+    )
 
 
 def _row(*, attempts: int) -> OutboxRow:
