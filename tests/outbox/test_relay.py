@@ -207,6 +207,57 @@ class TestDispatch:
                 relay.stop()
                 await asyncio.wait_for(running, 10)
 
+    async def test_a_dropped_listen_connection_falls_back_to_polling_then_listens_again(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        """The LISTEN backend is terminated (as a pooler or a failover would): rows still go
+        out within ``poll_interval``, and the relay LISTENs again on a new connection."""
+        poll = 1.0
+        async with relay_for(pg.dsn, broker_url, table, poll_interval=poll) as relay:
+            backend: Any = relay._backend
+            wakes: list[tuple[float, bool]] = []
+            wait_for_work = backend.wait_for_work
+
+            async def recorded(timeout: float) -> bool:
+                notified: bool = await wait_for_work(timeout)
+                wakes.append((time.monotonic(), notified))
+                return notified
+
+            backend.wait_for_work = recorded
+            running = asyncio.ensure_future(relay.run())
+            try:
+                assert backend.listening
+                first = await _listener_pid(pg.dsn, relay)
+                await _terminate(pg.dsn, first)
+                deadline = time.monotonic() + 5
+                while backend.listening:  # the listen task ends with its connection
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                written = time.monotonic()
+                await write(pg.dsn, table, [{"routing_key": queue, "message_id": "polled"}])
+                while relay.stats().dispatched < 1:
+                    assert time.monotonic() - written < poll + 1.5, "not found by polling"
+                    await asyncio.sleep(0.02)
+                deadline = time.monotonic() + 15
+                while not backend.listening:  # open() LISTENs again (at most every 5 s)
+                    assert time.monotonic() < deadline, "the relay never listened again"
+                    await asyncio.sleep(0.05)
+                second = await _listener_pid(pg.dsn, relay)
+                assert second != first
+                await asyncio.sleep(0.3)  # let the wake-up that listening again causes pass
+                written = time.monotonic()
+                await write(pg.dsn, table, [{"routing_key": queue, "message_id": "notified"}])
+                while relay.stats().dispatched < 2:
+                    assert time.monotonic() - written < poll + 1.5
+                    await asyncio.sleep(0.02)
+                # Woken by the notification, not by the poll (a poll returns False).
+                assert any(notified for at, notified in wakes if at >= written), wakes[-3:]
+            finally:
+                relay.stop()
+                await asyncio.wait_for(running, 10)
+        drained = await drain_queue(broker_url, queue, idle_timeout=0.5)
+        assert [m.message_id for m in drained] == ["polled", "notified"]
+
     async def test_polling_alone_finds_rows(
         self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
     ) -> None:
@@ -717,6 +768,25 @@ async def _pending(dsn: str, table: str) -> dict[str, tuple[int, float]]:
             f" FROM {table} WHERE state = 'pending'"
         )
         return {mid: (int(n), float(due)) for mid, n, due in await cursor.fetchall()}
+
+
+async def _listener_pid(dsn: str, relay: OutboxRelay) -> int:
+    """The server process of ``relay``'s LISTEN connection."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cursor = await conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'"
+            " AND application_name LIKE %s",
+            (f"%{relay.name}%",),
+        )
+        rows = await cursor.fetchall()
+        assert len(rows) == 1, rows
+        return int(rows[0][0])
+
+
+async def _terminate(dsn: str, pid: int) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cursor = await conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        assert (await cursor.fetchone()) == (True,)
 
 
 def _backend(dsn: str, table: str, *, scan_limit: int = 100) -> PostgresBackend:
