@@ -206,6 +206,7 @@ async def test_broker_outage_burns_no_attempts(pg: PrivatePostgres, private_brok
         await (await connection_.channel()).declare_queue(queue, durable=True)
     written: list[str] = []
     enough = asyncio.Event()
+    registry = CollectorRegistry()
 
     async def writer() -> None:
         """Service A, all along: 10 keys and unkeyed rows."""
@@ -235,7 +236,7 @@ async def test_broker_outage_burns_no_attempts(pg: PrivatePostgres, private_brok
         ),
         publisher_settings=PublisherSettings(unavailable_timeout=0.5, publish_timeout=1.0),
         table=table,
-        registry=CollectorRegistry(),
+        registry=registry,
     )
     try:
         async with relay:
@@ -268,6 +269,9 @@ async def test_broker_outage_burns_no_attempts(pg: PrivatePostgres, private_brok
                 await asyncio.wait_for(running, 30)
             stats = relay.stats()
         assert stats.dead == 0 and stats.retried == 0, stats
+        failed = "reliable_mq_outbox_failed_rows_total"
+        for outcome, count in (("deferred", stats.deferred), ("retry", 0), ("dead", 0)):
+            assert registry.get_sample_value(failed, {"table": table, "outcome": outcome}) == count
         drained = await drain_queue(url, queue, idle_timeout=1.0)
         assert {m.message_id for m in drained} == set(written)
     finally:

@@ -559,6 +559,84 @@ class TestFailureClassification:
         )
 
 
+class TestMetrics:
+    async def test_backlog_lag_failures_and_batch_latency_from_a_real_run(
+        self,
+        pg: PrivatePostgres,
+        table: str,
+        broker_url: str,
+        queue: str,
+        amqp: aio_pika.abc.AbstractChannel,
+    ) -> None:
+        """Every outbox metric, read from the relay's registry while it runs and after."""
+        full = f"full-{uuid.uuid4().hex[:8]}"
+        refusing = await amqp.declare_queue(
+            full, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+        )
+        await write(
+            pg.dsn,
+            table,
+            [{"routing_key": queue, "message_id": f"ok{n}"} for n in range(4)]
+            + [
+                {"routing_key": full, "message_id": "nacked"},
+                {"routing_key": f"nobody-{queue}", "message_id": "unroutable"},
+            ],
+        )
+        async with await psycopg.AsyncConnection.connect(pg.dsn, autocommit=True) as conn:
+            await conn.execute(f"UPDATE {table} SET created_at = now() - interval '30 seconds'")
+        registry = CollectorRegistry()
+        labels = {"table": table}
+
+        def sample(name: str, **extra: str) -> float | None:
+            return registry.get_sample_value(f"reliable_mq_outbox_{name}", {**labels, **extra})
+
+        seen: list[tuple[float, float]] = []
+        try:
+            async with relay_for(
+                pg.dsn,
+                broker_url,
+                table,
+                registry,
+                stats_interval=0.2,
+                max_attempts=2,
+                retry_backoff_initial=0.3,
+                retry_backoff_max=0.3,
+                publisher_settings=PublisherSettings(max_attempts=1),
+            ) as relay:
+                running = asyncio.ensure_future(relay.run())
+                try:
+                    deadline = time.monotonic() + 20
+                    while relay.stats().dead < 2 or sample("pending_rows") != 0:
+                        assert time.monotonic() < deadline, (relay.stats(), seen[-3:])
+                        seen.append(
+                            (sample("pending_rows") or 0, sample("oldest_pending_age_seconds") or 0)
+                        )
+                        await asyncio.sleep(0.01)
+                finally:
+                    relay.stop()
+                    await asyncio.wait_for(running, 10)
+                stats = relay.stats()
+        finally:
+            await refusing.delete(if_unused=False, if_empty=False)
+        # First measured before the first batch: six pending, the oldest 30 s old (the lag).
+        first = next(value for value in seen if value != (0, 0))
+        assert first[0] == 6 and 30 <= first[1] < 60, seen[:3]
+        # The nacked row backing off between its two attempts: one pending, still old.
+        assert any(pending == 1 and age >= 30 for pending, age in seen), seen
+        assert sample("pending_rows") == 0 and sample("oldest_pending_age_seconds") == 0
+        assert (stats.pending, stats.oldest_age) == (0, 0.0)
+        assert sample("dispatched_rows_total") == 4
+        assert sample("failed_rows_total", outcome="retry") == 1
+        assert sample("failed_rows_total", outcome="dead") == 2  # unroutable; out of attempts
+        assert sample("failed_rows_total", outcome="deferred") == 0
+        batches = sample("batch_seconds_count")
+        assert batches == stats.batches >= 2
+        assert sample("batch_seconds_bucket", le="+Inf") == batches
+        total = sample("batch_seconds_sum")
+        assert total is not None and 0 < total < 20
+        await drain_queue(broker_url, queue, idle_timeout=0.3)
+
+
 class TestErrors:
     async def test_missing_table(self, pg: PrivatePostgres, broker_url: str) -> None:
         relay = relay_for(pg.dsn, broker_url, "no_such_outbox")
