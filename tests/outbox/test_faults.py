@@ -36,9 +36,17 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
 @contextlib.asynccontextmanager
 async def running_relay(
-    system: OutboxSystem, url: str, *, dsn: str | None = None, batch_size: int = 50
+    system: OutboxSystem,
+    url: str,
+    *,
+    dsn: str | None = None,
+    batch_size: int = 50,
+    batch_sizes: list[int] | None = None,
 ) -> AsyncIterator[OutboxRelay]:
-    """An OutboxRelay running in this process until the block ends."""
+    """An OutboxRelay running in this process until the block ends.
+
+    ``batch_sizes`` gets the number of confirmed rows of each batch.
+    """
     relay = OutboxRelay(
         dsn or system.dsn,
         connection(url, "outbox-relay"),
@@ -48,6 +56,7 @@ async def running_relay(
         publisher_settings=PublisherSettings(publish_timeout=20, max_attempts=1000),
         table=system.outbox,
         registry=CollectorRegistry(),
+        on_dispatched=None if batch_sizes is None else lambda rows: batch_sizes.append(len(rows)),
     )
     async with relay:
         task = asyncio.ensure_future(relay.run())
@@ -59,8 +68,10 @@ async def running_relay(
 
 
 @contextlib.asynccontextmanager
-async def running_consumer(system: OutboxSystem, url: str) -> AsyncIterator[ReliableConsumer]:
-    consumer, store = system.consumer(url)
+async def running_consumer(
+    system: OutboxSystem, url: str, *, dsn: str | None = None
+) -> AsyncIterator[ReliableConsumer]:
+    consumer, store = system.consumer(url, dsn=dsn)
     await consumer.start()
     try:
         yield consumer
@@ -132,7 +143,7 @@ class TestOutboxFaults:
                 running_consumer(system, broker_url),
                 running_relay(system, broker_url, dsn=relay_dsn, batch_size=20) as relay,
             ):
-                writing = asyncio.ensure_future(system.write(400))
+                writing = asyncio.ensure_future(system.write(400, keys=50, unkeyed_every=5))
                 cuts = 0
                 while not writing.done() or cuts < 4:
                     await asyncio.sleep(random.uniform(0.2, 0.5))
@@ -144,17 +155,58 @@ class TestOutboxFaults:
                 assert relay.stats().outages >= 1, relay.stats()
 
     async def test_two_relays_race(self, system: OutboxSystem, broker_url: str) -> None:
-        """Two relays on one table: each row dispatched exactly once, order per key kept."""
+        """Two relays on one table: each row dispatched exactly once, order per key kept.
+
+        50 keys and unkeyed rows, a backlog first and more written while they
+        run, so both relays claim full batches of many keys at once.
+        """
+        await system.write(300, keys=50, unkeyed_every=5)
+        sizes: list[int] = []
         async with running_consumer(system, broker_url) as consumer:
-            async with running_relay(system, broker_url, batch_size=20) as first:
-                async with running_relay(system, broker_url, batch_size=20) as second:
-                    await system.write(400)
+            async with running_relay(system, broker_url, batch_size=20, batch_sizes=sizes) as first:
+                async with running_relay(
+                    system, broker_url, batch_size=20, batch_sizes=sizes
+                ) as second:
+                    await system.write(300, start=300, keys=50, unkeyed_every=5)
                     await finish(system, broker_url)
-                    dispatched = (first.stats().dispatched, second.stats().dispatched)
+                    stats = (first.stats(), second.stats())
         committed = len(await system.committed())
+        dispatched = tuple(s.dispatched for s in stats)
         assert sum(dispatched) == committed, dispatched
         assert min(dispatched) > 0, f"one relay did all the work: {dispatched}"
         assert consumer.stats().duplicates == 0
+        # Real batches: full ones, not the 4 rows a batch of 4 keys can hold.
+        assert max(sizes) == 20 and sum(1 for n in sizes if n > 4) >= 5, sizes
+
+    async def test_inbox_connection_cut(
+        self, system: OutboxSystem, broker_url: str, pg: PrivatePostgres
+    ) -> None:
+        """Service B's inbox connections cut again and again mid-stream: each effect applied once.
+
+        A cut can land mid-effect (rolled back, retried) or during the commit
+        (outcome unknown: the retry finds the id done and skips it).
+        """
+        await system.write(200, keys=50, unkeyed_every=5)
+        async with TCPProxy("127.0.0.1", pg.port) as proxy:
+            inbox_dsn = f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres"
+            async with (
+                running_relay(system, broker_url, batch_size=50),
+                running_consumer(system, broker_url, dsn=inbox_dsn),
+            ):
+                writing = asyncio.ensure_future(
+                    system.write(200, start=200, keys=50, unkeyed_every=5)
+                )
+                cuts = 0
+                while not writing.done() or cuts < 6:
+                    await asyncio.sleep(random.uniform(0.05, 0.25))
+                    cuts += await proxy.cut() > 0
+                    if cuts > 40:
+                        break
+                await writing
+                await finish(system, broker_url)
+            reconnects = proxy.connections_total
+        # Each counted cut dropped live inbox connections, and the store reconnected.
+        assert cuts >= 6 and reconnects > cuts, (cuts, reconnects)
 
     async def test_consumer_killed_between_effect_and_ack(
         self, system: OutboxSystem, broker_url: str
