@@ -291,6 +291,11 @@ class OutboxRelay:
         """Ask [run][reliable_mq.outbox.OutboxRelay.run] to return after the current batch."""
         self._stopping.set()
 
+    @property
+    def broker_unreachable(self) -> bool:
+        """True if the last batch found the broker unreachable (its rows were put back)."""
+        return self._broker_down > 0
+
     def stats(self) -> RelayStats:
         return RelayStats(
             batches=self._batches,

@@ -799,7 +799,7 @@ class TestCLI:
         assert main(["outbox", "init", *base]) == 0
         assert main(["outbox", "init", *base]) == 0  # idempotent
         asyncio.run(write(pg.dsn, table, [{"routing_key": f"nobody-{table}", "message_id": "d1"}]))
-        assert main(["outbox", "relay", "--once", *base]) == 0
+        assert main(["outbox", "relay", "--once", "--max-attempts", "3", *base]) == 0
         assert main(["outbox", "status", *base]) == 0
         assert main(["outbox", "dead", "--json", *base]) == 0
         assert main(["outbox", "requeue", "--id", "999999", *base]) == 1
