@@ -186,27 +186,29 @@ class TestOutboxFaults:
         A cut can land mid-effect (rolled back, retried) or during the commit
         (outcome unknown: the retry finds the id done and skips it).
         """
-        await system.write(200, keys=50, unkeyed_every=5)
+        await system.write(100, keys=50, unkeyed_every=5)
+
+        async def keep_writing() -> None:  # events keep coming while the cuts go on
+            for chunk in range(1, 11):
+                await system.write(30, start=100 * chunk, keys=50, unkeyed_every=5)
+                await asyncio.sleep(0.2)
+
         async with TCPProxy("127.0.0.1", pg.port) as proxy:
             inbox_dsn = f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres"
             async with (
                 running_relay(system, broker_url, batch_size=50),
                 running_consumer(system, broker_url, dsn=inbox_dsn),
             ):
-                writing = asyncio.ensure_future(
-                    system.write(200, start=200, keys=50, unkeyed_every=5)
-                )
+                writing = asyncio.ensure_future(keep_writing())
                 cuts = 0
-                while not writing.done() or cuts < 6:
-                    await asyncio.sleep(random.uniform(0.05, 0.25))
-                    cuts += await proxy.cut() > 0
-                    if cuts > 40:
-                        break
+                while not writing.done():
+                    await asyncio.sleep(random.uniform(0.05, 0.2))
+                    cuts += await proxy.cut() > 0  # only cuts that found a live connection
                 await writing
                 await finish(system, broker_url)
-            reconnects = proxy.connections_total
-        # Each counted cut dropped live inbox connections, and the store reconnected.
-        assert cuts >= 6 and reconnects > cuts, (cuts, reconnects)
+            connections = proxy.connections_total
+        # Each counted cut dropped live inbox connections, so the store reconnected as often.
+        assert cuts >= 6 and connections >= cuts, (cuts, connections)
 
     async def test_consumer_killed_between_effect_and_ack(
         self, system: OutboxSystem, broker_url: str
