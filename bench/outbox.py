@@ -10,10 +10,13 @@ In one run, against the local broker and a PostgreSQL server:
 3. latency at low load: one event committed every ``--interval`` seconds
    while the relay runs; time from the commit returning to the relay's delete
    commit (which follows the confirm), with ``LISTEN/NOTIFY`` and then with
-   polling only (``--poll``).
+   polling only (``--poll``);
+4. one hot ordering key: ``--hot-key`` rows of a single key committed first,
+   then drained by a running relay (``run()``); a key's rows go one per batch,
+   so this is the rate of one claim-publish-confirm-commit round trip.
 
     .venv/bin/python bench/outbox.py --messages 20000 --latency-events 300
-    .venv/bin/python bench/outbox.py --messages 200 --latency-events 10   # smoke run
+    .venv/bin/python bench/outbox.py --messages 200 --latency-events 10 --hot-key 50   # smoke
 
 ``--dsn`` (default ``$RELIABLE_MQ_OUTBOX_DSN`` or the local server on 5432)
 gets tables of its own, dropped at the end.
@@ -122,6 +125,31 @@ async def latency(
     return latencies
 
 
+async def hot_key_rate(dsn: str, url: str, table: str, queue: str, count: int) -> float:
+    async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        async with conn.transaction():
+            for _ in range(count):
+                await add(conn, BODY, routing_key=queue, ordering_key="hot", table=table)
+    done = asyncio.Event()
+    dispatched = 0
+
+    def counted(rows: Sequence[OutboxRow]) -> None:
+        nonlocal dispatched
+        dispatched += len(rows)
+        if dispatched >= count:
+            done.set()
+
+    relay = OutboxRelay(dsn, url, table=table, registry=CollectorRegistry(), on_dispatched=counted)
+    async with relay:
+        started = time.perf_counter()
+        running = asyncio.ensure_future(relay.run())
+        await done.wait()
+        seconds = time.perf_counter() - started
+        relay.stop()
+        await running
+    return count / seconds
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1000
@@ -152,6 +180,7 @@ async def main() -> None:
     parser.add_argument("--latency-events", type=int, default=300)
     parser.add_argument("--interval", type=float, default=0.02, help="seconds between events")
     parser.add_argument("--poll", type=float, default=0.1, help="poll interval without NOTIFY")
+    parser.add_argument("--hot-key", type=int, default=2000, help="rows of one ordering key")
     args = parser.parse_args()
 
     suffix = uuid.uuid4().hex[:8]
@@ -172,6 +201,8 @@ async def main() -> None:
         polling = await latency(
             args.dsn, args.url, table, queue, args.latency_events, args.interval, False, args.poll
         )
+        await purge(args.url, queue)
+        hot = await hot_key_rate(args.dsn, args.url, table, queue, args.hot_key)
     finally:
         async with await psycopg.AsyncConnection.connect(args.dsn, autocommit=True) as conn:
             await conn.execute(f"DROP TABLE IF EXISTS {table}")
@@ -190,6 +221,7 @@ async def main() -> None:
             f"p99 {percentile(values, 0.99):7.1f} ms  (n={len(values)}, mean "
             f"{statistics.fmean(values) * 1000:.1f} ms)"
         )
+    print(f"one ordering key ({args.hot_key} rows):   {hot:10,.0f} rows/s")
 
 
 if __name__ == "__main__":

@@ -193,7 +193,7 @@ class Metrics:
             ),
             outbox_failed=counter(
                 "outbox_failed_rows_total",
-                "Outbox row dispatches that failed (outcome: retry, dead).",
+                "Outbox row dispatches that failed (outcome: retry, deferred, dead).",
                 "table",
                 "outcome",
             ),

@@ -138,6 +138,21 @@ class ReliablePublisher:
     def state(self) -> PublisherState:
         return self._state
 
+    @property
+    def connected(self) -> bool:
+        """True while a connection to the broker is open (False while reconnecting)."""
+        return self._supervisor.connection is not None
+
+    @property
+    def connections(self) -> int:
+        """Connections opened so far: 1 after `start()`, one more per reconnect.
+
+        With [connected][reliable_mq.publisher.ReliablePublisher.connected], tells a caller
+        whether the broker stayed reachable over some span: same count before
+        and after, and connected at both ends.
+        """
+        return self._supervisor.generation
+
     async def __aenter__(self) -> ReliablePublisher:
         await self.start()
         return self

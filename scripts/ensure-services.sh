@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # Make sure the services the test suite needs are up:
 #   - RabbitMQ on 127.0.0.1:5672 for guest/guest (required),
-#   - Redis on 127.0.0.1:6379 (optional unless REQUIRE_REDIS=1).
+#   - Redis on 127.0.0.1:6379 (optional unless REQUIRE_REDIS=1),
+#   - PostgreSQL on 127.0.0.1:5432, user postgres without a password, with the
+#     databases in POSTGRES_DATABASES (only with REQUIRE_POSTGRES=1).
 # Starts (and, if missing, installs with apt) whatever is down. Never stops or
 # restarts a running service. Idempotent, and silent when everything is up.
 #
 # Environment:
 #   PYTHON                  interpreter with aio_pika for the final AMQP check (python3)
 #   REQUIRE_REDIS=1         fail instead of warning when Redis cannot be had
+#   REQUIRE_POSTGRES=1      make sure PostgreSQL is up (start the installed cluster,
+#                           or install Debian's postgresql) and fail if it cannot be
+#   POSTGRES_DATABASES      databases that must exist, space separated (postgres)
 #   RABBITMQ_START_TIMEOUT  seconds to wait for RabbitMQ to boot (120)
+#   POSTGRES_START_TIMEOUT  seconds to wait for PostgreSQL to accept connections (60)
 set -euo pipefail
 
 readonly AMQP_HOST=127.0.0.1
@@ -16,9 +22,15 @@ readonly AMQP_PORT=5672
 readonly AMQP_URL="amqp://guest:guest@${AMQP_HOST}:${AMQP_PORT}/"
 readonly REDIS_HOST=127.0.0.1
 readonly REDIS_PORT=6379
+readonly PG_HOST=127.0.0.1
+readonly PG_PORT=5432
+readonly PG_USER=postgres
 PYTHON="${PYTHON:-python3}"
 REQUIRE_REDIS="${REQUIRE_REDIS:-0}"
+REQUIRE_POSTGRES="${REQUIRE_POSTGRES:-0}"
+POSTGRES_DATABASES="${POSTGRES_DATABASES:-postgres}"
 RABBITMQ_START_TIMEOUT="${RABBITMQ_START_TIMEOUT:-120}"
+POSTGRES_START_TIMEOUT="${POSTGRES_START_TIMEOUT:-60}"
 
 # Debian puts rabbitmq-server and rabbitmqctl in /usr/sbin.
 export PATH="${PATH}:/usr/local/sbin:/usr/sbin:/sbin"
@@ -221,6 +233,112 @@ ensure_redis() {
     done
 }
 
+# -------------------------------------------------------------- PostgreSQL
+
+# True once the server on PG_HOST:PG_PORT accepts connections (it may be up
+# but still starting, or recovering, and refuse them for a while).
+pg_accepting() {
+    if command -v pg_isready >/dev/null 2>&1; then
+        limited 5 pg_isready -q -h "$PG_HOST" -p "$PG_PORT" -t 3 2>/dev/null
+    else
+        port_open "$PG_HOST" "$PG_PORT"
+    fi
+}
+
+# psql as PG_USER over TCP, never prompting for a password.
+pg_sql() {
+    local database="$1"
+    shift
+    PGCONNECT_TIMEOUT=5 limited 15 psql -X -w -q -v ON_ERROR_STOP=1 -h "$PG_HOST" -p "$PG_PORT" \
+        -U "$PG_USER" -d "$database" "$@"
+}
+
+# The newest cluster version under /etc/postgresql (Debian's layout), or nothing.
+pg_cluster_version() {
+    [ -d /etc/postgresql ] || return 0
+    find /etc/postgresql -mindepth 2 -maxdepth 2 -name main -type d 2>/dev/null |
+        awk -F/ '{print $4}' | sort -V | tail -n 1
+}
+
+# A cluster this script just installed only allows password logins over TCP:
+# let local TCP connections in as any user without one, as the tests expect.
+# Never done to a cluster that existed before.
+pg_trust_local_tcp() {
+    local hba="/etc/postgresql/$1/main/pg_hba.conf"
+    [ -f "$hba" ] || return 0
+    as_root sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' "$hba"
+}
+
+# Returns non-zero (after saying why) if PostgreSQL cannot be had.
+ensure_postgres() {
+    if ! pg_accepting; then
+        local installed=0 version
+        version="$(pg_cluster_version)"
+        if ! command -v pg_ctlcluster >/dev/null 2>&1 || [ -z "$version" ]; then
+            log "installing postgresql"
+            apt_install postgresql || return 1
+            installed=1
+            version="$(pg_cluster_version)"
+            [ -n "$version" ] || {
+                log "no cluster under /etc/postgresql after installing postgresql"
+                return 1
+            }
+            pg_trust_local_tcp "$version"
+        fi
+        # The package may have started it already (where services may start).
+        if ! pg_accepting; then
+            log "starting PostgreSQL $version (cluster main)"
+            if ! as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start \
+                >"$LOG_DIR/postgres.log" 2>&1; then
+                # "already running" is fine: it may still be starting up.
+                grep -qi "already running" "$LOG_DIR/postgres.log" || {
+                    show_log "$LOG_DIR/postgres.log"
+                    log "pg_ctlcluster $version main start failed"
+                    return 1
+                }
+            fi
+        elif [ "$installed" -eq 1 ]; then
+            # Started by the package before pg_hba.conf was changed: reread it.
+            as_root pg_ctlcluster --skip-systemctl-redirect "$version" main reload \
+                >>"$LOG_DIR/postgres.log" 2>&1 || true
+        fi
+        local deadline=$((SECONDS + POSTGRES_START_TIMEOUT))
+        until pg_accepting; do
+            if ((SECONDS >= deadline)); then
+                show_log "$LOG_DIR/postgres.log"
+                local server_log="/var/log/postgresql/postgresql-${version}-main.log"
+                [ -r "$server_log" ] && show_log "$server_log"
+                log "PostgreSQL did not accept connections on ${PG_HOST}:${PG_PORT}" \
+                    "within ${POSTGRES_START_TIMEOUT}s"
+                return 1
+            fi
+            sleep 0.5
+        done
+    fi
+
+    command -v psql >/dev/null 2>&1 || {
+        log "psql is missing: cannot check the databases (install postgresql-client)"
+        return 1
+    }
+    pg_sql postgres -c "SELECT 1" >/dev/null 2>"$LOG_DIR/psql.log" || {
+        show_log "$LOG_DIR/psql.log"
+        log "cannot log in to ${PG_HOST}:${PG_PORT} as ${PG_USER} without a password" \
+            "(the tests expect trust for local TCP connections in pg_hba.conf)"
+        return 1
+    }
+    local database
+    for database in $POSTGRES_DATABASES; do
+        [[ "$database" =~ ^[a-z_][a-z0-9_]*$ ]] || {
+            log "not a plain database name: '$database'"
+            return 1
+        }
+        if [ -z "$(pg_sql postgres -tAc "SELECT 1 FROM pg_database WHERE datname = '$database'")" ]; then
+            log "creating database $database"
+            pg_sql postgres -c "CREATE DATABASE $database" >/dev/null || return 1
+        fi
+    done
+}
+
 # -------------------------------------------------------------------- main
 
 ensure_rabbitmq
@@ -230,6 +348,10 @@ if ! ensure_redis; then
         die "Redis is required (REQUIRE_REDIS=1) but not available on ${REDIS_HOST}:${REDIS_PORT}"
     fi
     warn "Redis is not available on ${REDIS_HOST}:${REDIS_PORT}; Redis tests will skip"
+fi
+
+if [ "$REQUIRE_POSTGRES" = "1" ] && ! ensure_postgres; then
+    die "PostgreSQL is required (REQUIRE_POSTGRES=1) but is not ready on ${PG_HOST}:${PG_PORT}"
 fi
 
 # A listening port is not enough: prove a real AMQP handshake works.

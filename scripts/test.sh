@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite: set up .venv (with the spark and redis extras), make sure
-# RabbitMQ, Redis and Java are there, then run pytest. Extra arguments go to pytest.
+# RabbitMQ, Redis, PostgreSQL (on 5432, for the outbox example) and Java are
+# there, then run pytest. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RELIABLE_MQ_EXTRAS=dev,spark,redis source scripts/_venv.sh
-PYTHON=.venv/bin/python REQUIRE_REDIS="${REQUIRE_REDIS:-1}" bash scripts/ensure-services.sh
+PYTHON=.venv/bin/python REQUIRE_REDIS="${REQUIRE_REDIS:-1}" \
+    REQUIRE_POSTGRES="${REQUIRE_POSTGRES:-1}" bash scripts/ensure-services.sh
 if ! command -v java >/dev/null 2>&1; then
     echo "test: installing a Java runtime for PySpark" >&2
     apt-get update -qq && apt-get install -y -qq default-jre-headless >/dev/null

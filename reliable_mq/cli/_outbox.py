@@ -75,6 +75,14 @@ def add_outbox_arguments(parser: argparse.ArgumentParser) -> None:
     )
     relay.add_argument("--keep-sent", type=float, default=0.0, metavar="SECONDS")
     relay.add_argument("--publish-timeout", type=positive_float, default=30.0, metavar="SECONDS")
+    relay.add_argument(
+        "--max-attempts",
+        type=positive_int,
+        metavar="N",
+        help="failed dispatches of a row (nacked, or unconfirmed while the broker was reachable) "
+        "before it goes dead; broker outages never count "
+        "(default: $RELIABLE_MQ_OUTBOX_MAX_ATTEMPTS or 10)",
+    )
     relay.add_argument("--window", type=positive_int, default=1000, help="unconfirmed at most")
     relay.add_argument("--name", help="this relay's name in logs")
     relay.add_argument("--once", action="store_true", help="dispatch what is pending, then exit")
@@ -120,12 +128,16 @@ async def _init(args: argparse.Namespace) -> int:
 
 
 async def _relay(args: argparse.Namespace) -> int:
+    chosen: dict[str, Any] = {}
+    if args.max_attempts is not None:
+        chosen["max_attempts"] = args.max_attempts
     settings = RelaySettings(
         batch_size=args.batch_size,
         poll_interval=args.poll_interval,
         listen=args.listen,
         keep_sent=args.keep_sent,
         publish_timeout=args.publish_timeout,
+        **chosen,
     )
     relay = OutboxRelay(
         args.dsn,
@@ -150,7 +162,10 @@ async def _relay(args: argparse.Namespace) -> int:
         async with relay:
             if args.once:
                 while await relay.run_once():
-                    pass
+                    if relay.broker_unreachable:
+                        # Rows come back as they were while the broker is away:
+                        # --once would claim them again and again.
+                        raise CLIError("the broker could not be reached; the rows stay pending")
             else:
                 await relay.run()  # returns at once if stop() came during the start
             stats = relay.stats()

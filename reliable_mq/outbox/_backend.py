@@ -4,11 +4,15 @@ Two implementations: [PostgresBackend][reliable_mq.outbox._postgres.PostgresBack
 (``FOR UPDATE SKIP LOCKED``, the batch's transaction held until its confirms are
 in, ``LISTEN/NOTIFY``) and ``SQLiteBackend`` (a lease per claimed row, polling).
 
-Both pick the same rows: among the oldest pending rows (a window of
-``scan_limit``), every row without an ordering key, and for each ordering key
-only its oldest pending row, and only if that row is free. A key's next row is
-claimable once its head is gone (confirmed, or dead-lettered), so one key's
-rows are dispatched one after the other, whichever relay takes them.
+Both pick the same rows: the oldest pending rows without an ordering key, and
+for each ordering key only its oldest pending row (its head), and only if that
+row is free and due. Keys are visited ``scan_limit`` at a time, in key order,
+each claim going on from where the last one stopped (wrapping around), so a key
+with a long backlog takes one row per claim and never hides the other keys.
+A key's next row is claimable once its head is gone (confirmed, or
+dead-lettered); a head that backs off after a failure keeps its key waiting.
+So one key's rows are dispatched one after the other, whichever relay takes
+them.
 """
 
 from __future__ import annotations
@@ -54,10 +58,15 @@ class RowOutcome(enum.StrEnum):
     """The broker confirmed it: the row is deleted (or kept as ``sent``)."""
 
     RETRY = "retry"
-    """The outcome is unknown or the broker is away: pending again after a backoff."""
+    """Nacked, or not confirmed while the broker was reachable: one attempt counted,
+    pending again after a backoff (``dead`` once ``max_attempts`` are spent)."""
+
+    DEFERRED = "deferred"
+    """The broker could not be reached: pending again as it was, no attempt counted."""
 
     DEAD = "dead"
-    """Refused for good (unroutable, too large, refused): moved to the ``dead`` state."""
+    """Refused for good (unroutable, too large, refused), or out of attempts:
+    moved to the ``dead`` state with its reason."""
 
 
 @dataclass(frozen=True, slots=True)

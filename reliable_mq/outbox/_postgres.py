@@ -43,6 +43,27 @@ _COLUMNS = (
     "extract(epoch FROM created_at)::float8"
 )
 
+# The heads of up to %(keys)s ordering keys, in key order from a cursor: a loose
+# index scan over (ordering_key, id) WHERE state = 'pending', one index probe per
+# key however many rows a key has. A key's head is its oldest pending row,
+# whether it is free, locked by another relay or backing off: only a free head
+# is claimed, so a key never has two rows out at once.
+_HEADS = (
+    "WITH RECURSIVE heads(k, id, n) AS ("
+    " (SELECT ordering_key, id, 1 FROM {t} WHERE state = 'pending' AND {start}"
+    " ORDER BY ordering_key, id LIMIT 1)"
+    " UNION ALL"
+    " SELECT next.ordering_key, next.id, heads.n + 1 FROM heads CROSS JOIN LATERAL"
+    " (SELECT ordering_key, id FROM {t} WHERE state = 'pending' AND ordering_key > heads.k"
+    " ORDER BY ordering_key, id LIMIT 1) AS next WHERE heads.n < %(keys)s"
+    ") SELECT id, k, n FROM heads"
+)
+# The oldest unkeyed pending rows (ordered by the same index: the key is NULL).
+_UNKEYED = (
+    " UNION ALL (SELECT id, NULL, 0 FROM {t} WHERE state = 'pending'"
+    " AND ordering_key IS NULL ORDER BY ordering_key, id LIMIT %(unkeyed)s)"
+)
+
 
 async def connect(
     dsn: str, *, application_name: str, timeout: float
@@ -92,6 +113,8 @@ class PostgresBackend:
         self._notified = asyncio.Event()
         self._in_batch = False
         self._next_listen = 0.0
+        self._after: str | None = None
+        """The key the last claim's scan stopped at; the next one goes on after it."""
 
     # -- connections ----------------------------------------------------------------
 
@@ -189,24 +212,64 @@ class PostgresBackend:
     # -- batches ----------------------------------------------------------------------
 
     async def claim(self, limit: int) -> list[OutboxRow]:
-        query = sql.SQL(
-            "WITH scan AS ("
-            " SELECT id, ordering_key FROM {t} WHERE state = 'pending' ORDER BY id LIMIT %(scan)s"
-            "), heads AS ("
-            " SELECT id FROM scan WHERE ordering_key IS NULL"
-            " UNION ALL"
-            " SELECT min(id) FROM scan WHERE ordering_key IS NOT NULL GROUP BY ordering_key"
-            ") SELECT " + _COLUMNS + " FROM {t}"
-            " WHERE id IN (SELECT id FROM heads) AND state = 'pending' AND available_at <= now()"
-            " ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
-        ).format(t=self._table)
+        """Two steps in one transaction: pick candidates, then lock the oldest free ones.
+
+        The candidates are the head of each of up to ``scan_limit`` ordering
+        keys (from where the last claim stopped, wrapping around, so a key with
+        a long backlog never hides the others) and the oldest ``scan_limit``
+        unkeyed rows. A per-key ``DISTINCT ON`` or ``GROUP BY`` cannot be
+        combined with ``FOR UPDATE``, hence the second step: it locks the
+        oldest ``limit`` candidates still pending, due and not locked by
+        another relay (``SKIP LOCKED``). A head another relay holds is skipped,
+        and with it its key: the key's next row is no candidate while its head
+        is pending.
+        """
         await self._run(sql.SQL("BEGIN"))
         self._in_batch = True
-        cursor = await self._run(query, {"scan": self._scan_limit, "limit": limit})
-        rows = [_row(record) for record in await cursor.fetchall()]
+        candidates = await self._candidates()
+        rows: list[OutboxRow] = []
+        if candidates:
+            cursor = await self._run(
+                sql.SQL(
+                    "SELECT " + _COLUMNS + " FROM {t} WHERE id = ANY(%(ids)s)"
+                    " AND state = 'pending' AND available_at <= now()"
+                    " ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+                ).format(t=self._table),
+                {"ids": candidates, "limit": limit},
+            )
+            rows = [_row(record) for record in await cursor.fetchall()]
         if not rows:
             await self._end("COMMIT")
         return rows
+
+    async def _candidates(self) -> list[int]:
+        keys = self._scan_limit
+        ids, visited, last = await self._heads(self._after, keys, unkeyed=keys)
+        if visited == keys:
+            self._after = last
+        elif self._after is not None:  # the last key passed: wrap around to the first
+            more, wrapped, last = await self._heads(None, keys - visited, unkeyed=0)
+            ids.extend(more)
+            self._after = last if wrapped == keys - visited else None
+        return sorted(set(ids))
+
+    async def _heads(
+        self, after: str | None, keys: int, *, unkeyed: int
+    ) -> tuple[list[int], int, str | None]:
+        """Candidate ids, how many keys the scan visited, and the last key it visited."""
+        start = "ordering_key IS NOT NULL" if after is None else "ordering_key > %(after)s"
+        text = _HEADS.replace("{start}", start) + (_UNKEYED if unkeyed else "")
+        cursor = await self._run(
+            sql.SQL(text).format(t=self._table),
+            {"after": after, "keys": keys, "unkeyed": unkeyed},
+        )
+        ids: list[int] = []
+        visited, last = 0, None
+        for row_id, key, n in await cursor.fetchall():
+            ids.append(int(row_id))
+            if n > visited:
+                visited, last = int(n), key
+        return ids, visited, last
 
     async def finish(self, results: list[RowResult]) -> None:
         confirmed = [r.row.id for r in results if r.outcome is RowOutcome.CONFIRMED]
@@ -218,7 +281,8 @@ class PostgresBackend:
             else:
                 query = sql.SQL("DELETE FROM {t} WHERE id = ANY(%s)").format(t=self._table)
             await self._run(query, (confirmed,))
-        failed = [r for r in results if r.outcome is not RowOutcome.CONFIRMED]
+        # DEFERRED rows are left as they were: the commit unlocks them.
+        failed = [r for r in results if r.outcome in (RowOutcome.RETRY, RowOutcome.DEAD)]
         if failed:
             initial, ceiling = self._retry_backoff
             await self._run(

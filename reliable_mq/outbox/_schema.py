@@ -1,8 +1,10 @@
 """The outbox table: its DDL for PostgreSQL and SQLite, and the states of a row.
 
-One table holds every event written by ``outbox.add()``. The relay reads
-pending rows in ``id`` order through a partial index on ``state = 'pending'``,
-so the index stays as small as the backlog however large the table's history.
+One table holds every event written by ``outbox.add()``. The relay finds
+each ordering key's oldest pending row through a partial index on
+``(ordering_key, id) WHERE state = 'pending'`` (one probe per key, however
+many rows a key has; unkeyed rows sit together under NULL in ``id`` order), so
+the index stays as small as the backlog however large the table's history.
 Rows the relay dispatched are deleted at once by default (or kept as ``sent``
 for a while); rows the broker refused for good stay as ``dead``, with their
 reason in ``last_error``, until the cleanup removes them.
@@ -89,7 +91,7 @@ def schema_sql(dialect: Dialect | str, table: str = DEFAULT_TABLE) -> list[str]:
 
 
 def _postgres_schema(table: str) -> list[str]:
-    pending = _index_name(table, "pending")
+    pending = _index_name(table, "pending_key")
     done = _index_name(table, "done")
     function = f"{table}_notify"
     trigger = _index_name(table, "notify")
@@ -111,9 +113,11 @@ def _postgres_schema(table: str) -> list[str]:
     done_at       timestamptz,
     last_error    text
 )""",
-        # The relay's scan: pending rows in id order. Partial, so it holds the
-        # backlog only; dispatched rows leave it as soon as they are deleted.
-        f"CREATE INDEX IF NOT EXISTS {pending} ON {table} (id) WHERE state = 'pending'",
+        # The relay's claim: each key's oldest pending row, and unkeyed rows in id
+        # order (under NULL). Partial, so it holds the backlog only; dispatched
+        # rows leave it as soon as they are deleted.
+        f"CREATE INDEX IF NOT EXISTS {pending} ON {table} (ordering_key, id) "
+        "WHERE state = 'pending'",
         # The cleanup's scan: sent and dead rows by age.
         f"CREATE INDEX IF NOT EXISTS {done} ON {table} (done_at) WHERE state <> 'pending'",
         f"""CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -156,8 +160,8 @@ def _sqlite_schema(table: str) -> list[str]:
     done_at       REAL,
     last_error    TEXT
 )""",
-        f"CREATE INDEX IF NOT EXISTS {_index_name(table, 'pending')} ON {table} (id) "
-        "WHERE state = 'pending'",
+        f"CREATE INDEX IF NOT EXISTS {_index_name(table, 'pending_key')} ON {table} "
+        "(ordering_key, id) WHERE state = 'pending'",
         f"CREATE INDEX IF NOT EXISTS {_index_name(table, 'done')} ON {table} (done_at) "
         "WHERE state <> 'pending'",
     ]

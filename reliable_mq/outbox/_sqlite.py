@@ -33,6 +33,22 @@ _COLUMNS = (
     "id, message_id, exchange, routing_key, ordering_key, body, properties, attempts, created_at"
 )
 
+# As in PostgreSQL: the heads of up to ? ordering keys from a cursor, one probe
+# of the (ordering_key, id) pending index per key, then the oldest unkeyed rows.
+_HEADS = (
+    "WITH RECURSIVE keys(k, n) AS ("
+    " SELECT (SELECT min(ordering_key) FROM {t} WHERE state = 'pending'{start}), 1"
+    " UNION ALL"
+    " SELECT (SELECT min(ordering_key) FROM {t} WHERE state = 'pending'"
+    " AND ordering_key > keys.k), keys.n + 1 FROM keys WHERE keys.n < ? AND keys.k IS NOT NULL"
+    ") SELECT (SELECT min(id) FROM {t} WHERE state = 'pending' AND ordering_key = keys.k),"
+    " k, n FROM keys WHERE k IS NOT NULL"
+)
+_UNKEYED = (
+    "SELECT id FROM {t} WHERE state = 'pending' AND ordering_key IS NULL"
+    " ORDER BY ordering_key, id LIMIT ?"
+)
+
 
 class SQLiteBackend:
     """A [Backend][reliable_mq.outbox._backend.Backend] on an SQLite file."""
@@ -59,6 +75,8 @@ class SQLiteBackend:
         self._busy_timeout = busy_timeout
         self._conn: sqlite3.Connection | None = None
         self._claimed: list[int] = []
+        self._after: str | None = None
+        """The key the last claim's scan stopped at; the next one goes on after it."""
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="reliable_mq-outbox-sqlite")
 
@@ -130,17 +148,21 @@ class SQLiteBackend:
         return rows
 
     def _claim(self, conn: sqlite3.Connection, limit: int) -> list[OutboxRow]:
+        """Candidates (key heads from the cursor, oldest unkeyed rows), then the due, free ones.
+
+        A head leased to another relay, or backing off, is skipped and its key
+        with it: the key's next row is no candidate while its head is pending.
+        """
         now = time.time()
         t = self._table
+        candidates = self._candidates(conn)
+        if not candidates:
+            return []
         records = conn.execute(
-            f"WITH scan AS (SELECT id, ordering_key FROM {t} WHERE state = 'pending'"
-            " ORDER BY id LIMIT ?),"
-            " heads AS (SELECT id FROM scan WHERE ordering_key IS NULL"
-            " UNION ALL SELECT min(id) FROM scan WHERE ordering_key IS NOT NULL"
-            f" GROUP BY ordering_key)"
-            f" SELECT {_COLUMNS} FROM {t} WHERE id IN (SELECT id FROM heads)"
-            " AND available_at <= ? AND claimed_until <= ? ORDER BY id LIMIT ?",
-            (self._scan_limit, now, now, limit),
+            f"SELECT {_COLUMNS} FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
+            " AND state = 'pending' AND available_at <= ? AND claimed_until <= ?"
+            " ORDER BY id LIMIT ?",
+            (json.dumps(candidates), now, now, limit),
         ).fetchall()
         ids = [record[0] for record in records]
         if ids:
@@ -150,6 +172,33 @@ class SQLiteBackend:
                 (self._owner, now + self._lease, *ids),
             )
         return [_row(record) for record in records]
+
+    def _candidates(self, conn: sqlite3.Connection) -> list[int]:
+        keys = self._scan_limit
+        ids, visited, last = self._heads(conn, self._after, keys)
+        ids += [r[0] for r in conn.execute(_UNKEYED.format(t=self._table), (keys,))]
+        if visited == keys:
+            self._after = last
+        elif self._after is not None:  # the last key passed: wrap around to the first
+            more, wrapped, last = self._heads(conn, None, keys - visited)
+            ids += more
+            self._after = last if wrapped == keys - visited else None
+        return sorted(set(ids))
+
+    def _heads(
+        self, conn: sqlite3.Connection, after: str | None, keys: int
+    ) -> tuple[list[int], int, str | None]:
+        """Head ids, how many keys the scan visited, and the last key it visited."""
+        start = "" if after is None else " AND ordering_key > ?"
+        params: tuple[Any, ...] = (keys,) if after is None else (after, keys)
+        ids: list[int] = []
+        visited, last = 0, None
+        query = _HEADS.format(t=self._table, start=start)
+        for row_id, key, n in conn.execute(query, params):
+            ids.append(int(row_id))
+            if n > visited:
+                visited, last = int(n), key
+        return ids, visited, last
 
     async def finish(self, results: list[RowResult]) -> None:
         await self._call(self._transaction, lambda conn: self._finish(conn, results))
@@ -170,6 +219,10 @@ class SQLiteBackend:
                     )
                 else:
                     conn.execute(f"DELETE FROM {t} WHERE id = ?", (row.id,))
+            elif result.outcome is RowOutcome.DEFERRED:  # as it was, unclaimed
+                conn.execute(
+                    f"UPDATE {t} SET claimed_by = NULL, claimed_until = 0 WHERE id = ?", (row.id,)
+                )
             elif result.outcome is RowOutcome.DEAD:
                 conn.execute(
                     f"UPDATE {t} SET state = 'dead', done_at = ?, last_error = ?,"

@@ -13,8 +13,15 @@ Outcome per row, by the publisher's typed errors:
 * ``PublishUnroutable``, ``PublishRefused`` (``ExchangeNotFound``),
   ``MessageTooLarge``, ``InvalidMessage``: ``dead``, reason in ``last_error``;
   the rows behind it (its ordering key's too) go on;
-* any other ``PublishError`` (timeout, nacks, no connection): pending again,
-  after a backoff that doubles per attempt.
+* the broker could not be reached (``PublishUnavailable``, or an outcome left
+  unknown because the connection dropped or the message never got out):
+  pending again as it was, no attempt counted, and the relay pauses with a
+  backoff; an outage never dead-letters anything;
+* any other failure the message met while the broker was reachable
+  (``PublishGaveUp`` after nacks, a confirm that never came): one attempt
+  counted, pending again after a backoff that doubles per attempt; ``dead``
+  after ``max_attempts``. A row backing off still blocks the later rows of its
+  ordering key, never another key's.
 """
 
 from __future__ import annotations
@@ -31,9 +38,13 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from ..errors import (
+    BrokerUnavailable,
+    ClosedError,
     InvalidMessage,
     MessageTooLarge,
+    PublishAborted,
     PublishError,
+    PublishOutcomeUnknown,
     PublishRefused,
     PublishUnroutable,
     ReliableMQError,
@@ -62,7 +73,8 @@ class RelaySettings(_Settings):
     scan_limit: int | None = Field(
         default=None,
         ge=1,
-        description="oldest pending rows looked at per claim; default 4 x batch_size",
+        le=100_000,
+        description="ordering keys (and unkeyed rows) looked at per claim; default 4 x batch_size",
     )
     listen: bool = Field(default=True, description="wake on LISTEN/NOTIFY (PostgreSQL)")
     poll_interval: float = Field(
@@ -70,6 +82,13 @@ class RelaySettings(_Settings):
     )
     publish_timeout: float = Field(
         default=30.0, gt=0, description="deadline of each row's publish, seconds"
+    )
+    max_attempts: int | None = Field(
+        default=10,
+        ge=1,
+        le=1_000_000,
+        description="failed dispatches of a row (nacked, or unconfirmed while the broker was "
+        "reachable) before it goes dead; None retries forever. Broker outages never count",
     )
     retry_backoff_initial: float = Field(default=1.0, gt=0, le=3600)
     retry_backoff_max: float = Field(default=60.0, gt=0, le=86_400)
@@ -101,7 +120,12 @@ class RelaySettings(_Settings):
 
 
 class RelayStats(NamedTuple):
-    """Counters of one relay since it started."""
+    """Counters of one relay since it started.
+
+    ``deferred`` counts rows put back uncounted because the broker could not be
+    reached; ``broker_outages`` the pauses that followed such batches
+    (``outages`` counts database outages).
+    """
 
     batches: int
     dispatched: int
@@ -110,6 +134,8 @@ class RelayStats(NamedTuple):
     outages: int
     pending: int
     oldest_age: float
+    deferred: int = 0
+    broker_outages: int = 0
 
 
 Observer = Callable[[Sequence[OutboxRow]], None]
@@ -177,6 +203,7 @@ class OutboxRelay:
         self._age_gauge = metrics.outbox_oldest_age.labels(self.table)
         self._dispatched_counter = metrics.outbox_dispatched.labels(self.table)
         self._retry_counter = metrics.outbox_failed.labels(self.table, RowOutcome.RETRY.value)
+        self._deferred_counter = metrics.outbox_failed.labels(self.table, RowOutcome.DEFERRED.value)
         self._dead_counter = metrics.outbox_failed.labels(self.table, RowOutcome.DEAD.value)
         self._batch_latency = metrics.outbox_batch_latency.labels(self.table)
         self._on_dispatched = on_dispatched
@@ -188,6 +215,9 @@ class OutboxRelay:
         self._next_stats = 0.0
         self._next_cleanup = 0.0
         self._batches = self._dispatched = self._dead = self._retried = self._outages = 0
+        self._deferred = self._broker_outages = 0
+        self._broker_down = 0
+        """Consecutive batches that met an unreachable broker (0: the last one did not)."""
         self._pending = 0
         self._oldest_age = 0.0
 
@@ -261,6 +291,11 @@ class OutboxRelay:
         """Ask [run][reliable_mq.outbox.OutboxRelay.run] to return after the current batch."""
         self._stopping.set()
 
+    @property
+    def broker_unreachable(self) -> bool:
+        """True if the last batch found the broker unreachable (its rows were put back)."""
+        return self._broker_down > 0
+
     def stats(self) -> RelayStats:
         return RelayStats(
             batches=self._batches,
@@ -270,6 +305,8 @@ class OutboxRelay:
             outages=self._outages,
             pending=self._pending,
             oldest_age=self._oldest_age,
+            deferred=self._deferred,
+            broker_outages=self._broker_outages,
         )
 
     # -- the loop -------------------------------------------------------------------------
@@ -278,7 +315,12 @@ class OutboxRelay:
         """Dispatch batches until [stop][reliable_mq.outbox.OutboxRelay.stop] is called.
 
         A database outage is logged and retried with backoff, forever: the
-        relay never gives up on its rows.
+        relay never gives up on its rows. So is a broker outage: a batch that
+        found the broker unreachable puts its rows back uncounted, and the
+        relay pauses (doubling up to ``reconnect_delay_max``) before the next.
+        After a batch that held rows the relay claims again at once (a key's
+        next row may be claimable now); it waits for a notification or
+        ``poll_interval`` only when a claim finds nothing.
 
         Raises:
             OutboxError: the table does not exist (at start or later).
@@ -294,7 +336,9 @@ class OutboxRelay:
                 failures += 1
                 await self._outage(exc, failures)
                 continue
-            if handled < self.settings.batch_size:
+            if self._broker_down:
+                await self._broker_pause()
+            elif not handled:
                 await self._idle()
 
     async def run_once(self) -> int:
@@ -340,13 +384,26 @@ class OutboxRelay:
 
     async def _outage(self, exc: OutboxUnavailable, failures: int) -> None:
         self._outages += 1
-        delay = min(0.1 * 2 ** min(failures, 10), self.settings.reconnect_delay_max)
+        delay = self._outage_delay(failures)
         self._log.warning(
             "outbox_database_unavailable", error=error_text(exc), retry_in=round(delay, 2)
         )
         await self._backend.reset()
+        await self._sleep(delay)
+
+    async def _broker_pause(self) -> None:
+        self._broker_outages += 1
+        delay = self._outage_delay(self._broker_down)
+        self._log.warning("outbox_broker_unavailable", retry_in=round(delay, 2))
+        await self._sleep(delay)
+
+    def _outage_delay(self, failures: int) -> float:
+        return float(min(0.1 * 2 ** min(failures, 10), self.settings.reconnect_delay_max))
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, returning early if the relay is asked to stop."""
         try:
-            async with asyncio.timeout(delay):
+            async with asyncio.timeout(seconds):
                 await self._stopping.wait()
         except TimeoutError:
             pass
@@ -386,53 +443,96 @@ class OutboxRelay:
             )
             for row in rows
         ]
-        result = await self._publisher.publish_many(
+        publisher = self._publisher
+        connections = publisher.connections
+        connected = publisher.connected
+        result = await publisher.publish_many(
             messages, timeout=self.settings.publish_timeout, raise_on_error=False
         )
         failed = {failure.index: failure.error for failure in result.failures}
+        # The broker stayed reachable all along: same connection, open at both ends.
+        reachable = connected and publisher.connected and publisher.connections == connections
         return [
-            self._failed(row, failed[index])
+            self._failed(row, failed[index], reachable=reachable)
             if index in failed
             else RowResult(row, RowOutcome.CONFIRMED)
             for index, row in enumerate(rows)
         ]
 
-    def _failed(self, row: OutboxRow, exc: ReliableMQError) -> RowResult:
+    def _failed(self, row: OutboxRow, exc: ReliableMQError, *, reachable: bool) -> RowResult:
         reason = _printable(f"{type(exc).__name__}: {error_text(exc)}")[:_MAX_REASON]
         if isinstance(exc, (PublishUnroutable, PublishRefused, MessageTooLarge, InvalidMessage)):
-            self._log.warning(
-                "outbox_row_dead",
-                row_id=row.id,
-                message_id=_printable(row.message_id),
-                routing_key=_printable(row.routing_key),
-                reason=reason,
-            )
-            return RowResult(row, RowOutcome.DEAD, reason)
+            return self._dead_letter(row, reason)
+        if _broker_unreachable(exc, reachable=reachable):
+            self._log.info("outbox_row_deferred", row_id=row.id, reason=reason)
+            return RowResult(row, RowOutcome.DEFERRED, reason)
         if not isinstance(exc, PublishError):  # pragma: no cover - a new error type
             self._log.error("outbox_row_unexpected_error", row_id=row.id, reason=reason)
-        self._log.info("outbox_row_retry", row_id=row.id, attempts=row.attempts + 1, reason=reason)
+        attempts = row.attempts + 1
+        limit = self.settings.max_attempts
+        if limit is not None and attempts >= limit:
+            return self._dead_letter(row, f"gave up after {attempts} attempts; last: {reason}")
+        self._log.info("outbox_row_retry", row_id=row.id, attempts=attempts, reason=reason)
         return RowResult(row, RowOutcome.RETRY, reason)
+
+    def _dead_letter(self, row: OutboxRow, reason: str) -> RowResult:
+        reason = reason[:_MAX_REASON]
+        self._log.warning(
+            "outbox_row_dead",
+            row_id=row.id,
+            message_id=_printable(row.message_id),
+            routing_key=_printable(row.routing_key),
+            attempts=row.attempts + 1,
+            reason=reason,
+        )
+        return RowResult(row, RowOutcome.DEAD, reason)
 
     def _count(self, results: list[RowResult], seconds: float) -> None:
         confirmed = [r.row for r in results if r.outcome is RowOutcome.CONFIRMED]
         dead = sum(1 for r in results if r.outcome is RowOutcome.DEAD)
-        retried = len(results) - len(confirmed) - dead
+        deferred = sum(1 for r in results if r.outcome is RowOutcome.DEFERRED)
+        retried = len(results) - len(confirmed) - dead - deferred
         self._batches += 1
         self._dispatched += len(confirmed)
         self._dead += dead
         self._retried += retried
+        self._deferred += deferred
+        self._broker_down = self._broker_down + 1 if deferred else 0
         if confirmed:
             self._dispatched_counter.inc(len(confirmed))
         if dead:
             self._dead_counter.inc(dead)
         if retried:
             self._retry_counter.inc(retried)
+        if deferred:
+            self._deferred_counter.inc(deferred)
         self._batch_latency.observe(seconds)
         self._log.debug(
-            "outbox_batch", rows=len(results), confirmed=len(confirmed), dead=dead, retried=retried
+            "outbox_batch",
+            rows=len(results),
+            confirmed=len(confirmed),
+            dead=dead,
+            retried=retried,
+            deferred=deferred,
         )
         if self._on_dispatched is not None and confirmed:
             self._on_dispatched(confirmed)
+
+
+def _broker_unreachable(exc: ReliableMQError, *, reachable: bool) -> bool:
+    """True if ``exc`` says the broker could not be reached, not that the message failed.
+
+    ``PublishUnavailable`` (no connection for ``unavailable_timeout``) and a
+    closing publisher are never the message's doing. An unknown outcome
+    (a deadline passed) is the message's only if it was sent at least once
+    and the connection stayed up throughout the batch: a message that never
+    got out, or one caught by a dropped connection, met an outage.
+    """
+    if isinstance(exc, (BrokerUnavailable, ClosedError, PublishAborted)):
+        return True
+    if isinstance(exc, PublishOutcomeUnknown):
+        return not reachable or exc.attempts == 0
+    return False
 
 
 def _headers(properties: dict[str, Any]) -> dict[str, Any] | None:

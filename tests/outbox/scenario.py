@@ -10,7 +10,15 @@ id once (0 duplicate effects), and per ordering key in ``seq`` order.
 
 Service B runs with ``concurrency=1`` and no consumer-side claim (the inbox
 mark in the effect's own transaction is the de-duplication), which is what a
-consumer that cares about per-key order looks like.
+consumer that cares about per-key order looks like. When its database fails
+under it (the inbox connection cut), it retries the effect in the handler
+rather than through the retry queue, which would put the event behind later
+events of its key; a retried effect whose first commit did land finds its id
+done (``AlreadyProcessed``) and is acked as a duplicate.
+
+Scenarios write ``KEYS`` ordering keys by default (each batch then holds at
+most that many rows); ``write(..., keys=50, unkeyed_every=5)`` makes real
+batch sizes, with every fifth event unkeyed (not part of the order check).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from reliable_mq import ConnectionSettings, ReliableConsumer
+from reliable_mq.dedup import DedupStoreUnavailable
 from reliable_mq.dedup.postgres import PostgresDedupStore
 from reliable_mq.delivery import Delivery
 from reliable_mq.outbox import add
@@ -120,11 +129,25 @@ class OutboxSystem:
 
     # -- service A ----------------------------------------------------------------------
 
-    async def write(self, count: int, *, start: int = 0, rollback_every: int = 7) -> None:
-        """Service A in this process: ``count`` transactions, some rolled back."""
+    async def write(
+        self,
+        count: int,
+        *,
+        start: int = 0,
+        rollback_every: int = 7,
+        keys: int = KEYS,
+        unkeyed_every: int = 0,
+    ) -> None:
+        """Service A in this process: ``count`` transactions, some rolled back.
+
+        Events go round ``keys`` ordering keys; with ``unkeyed_every`` N, every
+        Nth event has no key.
+        """
         async with await psycopg.AsyncConnection.connect(self.dsn) as conn:
             for index in range(start, start + count):
-                mid, key = f"o{index:06d}", f"k{index % KEYS}"
+                mid, key = f"o{index:06d}", f"k{index % keys}"
+                if unkeyed_every and index % unkeyed_every == unkeyed_every - 1:
+                    key = None
                 try:
                     async with conn.transaction():
                         await conn.execute(
@@ -162,10 +185,14 @@ class OutboxSystem:
     # -- service B ------------------------------------------------------------------------
 
     def consumer(
-        self, amqp_url: str | None = None, *, name: str = "b"
+        self, amqp_url: str | None = None, *, name: str = "b", dsn: str | None = None
     ) -> tuple[ReliableConsumer, PostgresDedupStore]:
-        """Service B in this process: effect + inbox mark in one transaction, one at a time."""
-        return make_consumer(self.dsn, amqp_url or self.amqp_url, self.config(), name=name)
+        """Service B in this process: effect + inbox mark in one transaction, one at a time.
+
+        ``dsn``: where its inbox connects (default the scenario's database), e.g.
+        through a proxy that cuts it.
+        """
+        return make_consumer(dsn or self.dsn, amqp_url or self.amqp_url, self.config(), name=name)
 
     # -- the verdict ------------------------------------------------------------------------
 
@@ -216,7 +243,8 @@ class OutboxSystem:
             oracle.delivered_many(m.message_id or "" for m in drained)
         seqs: dict[str, list[int]] = defaultdict(list)
         for _, key, seq in effects:
-            seqs[key].append(seq)
+            if key is not None:  # unkeyed events have no order to keep
+                seqs[key].append(seq)
         out_of_order = {k: v for k, v in seqs.items() if v != sorted(v)}
         delivered = {mid for mid, _, _ in effects}
         return Verdict(
@@ -261,7 +289,14 @@ def make_consumer(
                 (body["id"], body["key"], body["seq"]),
             )
 
-        await store.run_once(delivery.message_id, effect)
+        for attempt in range(100):  # the database failed: retry here, keeping the order
+            try:
+                await store.run_once(delivery.message_id, effect)
+                break
+            except (DedupStoreUnavailable, psycopg.OperationalError):
+                if attempt == 99:
+                    raise
+                await asyncio.sleep(0.1)
         hook = os.environ.get("OUTBOX_TEST_PAUSE_AFTER_EFFECT")
         if hook and delivery.message_id == hook:
             sys.stdout.write(f"applied {delivery.message_id}\n")

@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
+import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aio_pika
+import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
 from reliable_mq import PublisherSettings, ReliableConsumer
-from reliable_mq.outbox import OutboxRelay, RelaySettings
+from reliable_mq.outbox import OutboxRelay, RelaySettings, add
+from reliable_mq.outbox.admin import create_schema, outbox_status
 from reliable_mq.testing import TCPProxy
 from tests.faults.harness import connection
 from tests.outbox.scenario import OutboxSystem, kill, read_line, worker
+from tests.support.amqp import drain_queue
 from tests.support.private_postgres import PrivatePostgres
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
@@ -29,9 +36,17 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
 @contextlib.asynccontextmanager
 async def running_relay(
-    system: OutboxSystem, url: str, *, dsn: str | None = None, batch_size: int = 50
+    system: OutboxSystem,
+    url: str,
+    *,
+    dsn: str | None = None,
+    batch_size: int = 50,
+    batch_sizes: list[int] | None = None,
 ) -> AsyncIterator[OutboxRelay]:
-    """An OutboxRelay running in this process until the block ends."""
+    """An OutboxRelay running in this process until the block ends.
+
+    ``batch_sizes`` gets the number of confirmed rows of each batch.
+    """
     relay = OutboxRelay(
         dsn or system.dsn,
         connection(url, "outbox-relay"),
@@ -41,6 +56,7 @@ async def running_relay(
         publisher_settings=PublisherSettings(publish_timeout=20, max_attempts=1000),
         table=system.outbox,
         registry=CollectorRegistry(),
+        on_dispatched=None if batch_sizes is None else lambda rows: batch_sizes.append(len(rows)),
     )
     async with relay:
         task = asyncio.ensure_future(relay.run())
@@ -52,8 +68,10 @@ async def running_relay(
 
 
 @contextlib.asynccontextmanager
-async def running_consumer(system: OutboxSystem, url: str) -> AsyncIterator[ReliableConsumer]:
-    consumer, store = system.consumer(url)
+async def running_consumer(
+    system: OutboxSystem, url: str, *, dsn: str | None = None
+) -> AsyncIterator[ReliableConsumer]:
+    consumer, store = system.consumer(url, dsn=dsn)
     await consumer.start()
     try:
         yield consumer
@@ -125,7 +143,7 @@ class TestOutboxFaults:
                 running_consumer(system, broker_url),
                 running_relay(system, broker_url, dsn=relay_dsn, batch_size=20) as relay,
             ):
-                writing = asyncio.ensure_future(system.write(400))
+                writing = asyncio.ensure_future(system.write(400, keys=50, unkeyed_every=5))
                 cuts = 0
                 while not writing.done() or cuts < 4:
                     await asyncio.sleep(random.uniform(0.2, 0.5))
@@ -137,17 +155,60 @@ class TestOutboxFaults:
                 assert relay.stats().outages >= 1, relay.stats()
 
     async def test_two_relays_race(self, system: OutboxSystem, broker_url: str) -> None:
-        """Two relays on one table: each row dispatched exactly once, order per key kept."""
+        """Two relays on one table: each row dispatched exactly once, order per key kept.
+
+        50 keys and unkeyed rows, a backlog first and more written while they
+        run, so both relays claim full batches of many keys at once.
+        """
+        await system.write(300, keys=50, unkeyed_every=5)
+        sizes: list[int] = []
         async with running_consumer(system, broker_url) as consumer:
-            async with running_relay(system, broker_url, batch_size=20) as first:
-                async with running_relay(system, broker_url, batch_size=20) as second:
-                    await system.write(400)
+            async with running_relay(system, broker_url, batch_size=20, batch_sizes=sizes) as first:
+                async with running_relay(
+                    system, broker_url, batch_size=20, batch_sizes=sizes
+                ) as second:
+                    await system.write(300, start=300, keys=50, unkeyed_every=5)
                     await finish(system, broker_url)
-                    dispatched = (first.stats().dispatched, second.stats().dispatched)
+                    stats = (first.stats(), second.stats())
         committed = len(await system.committed())
+        dispatched = tuple(s.dispatched for s in stats)
         assert sum(dispatched) == committed, dispatched
         assert min(dispatched) > 0, f"one relay did all the work: {dispatched}"
         assert consumer.stats().duplicates == 0
+        # Real batches: full ones, not the 4 rows a batch of 4 keys can hold.
+        assert max(sizes) == 20 and sum(1 for n in sizes if n > 4) >= 5, sizes
+
+    async def test_inbox_connection_cut(
+        self, system: OutboxSystem, broker_url: str, pg: PrivatePostgres
+    ) -> None:
+        """Service B's inbox connections cut again and again mid-stream: each effect applied once.
+
+        A cut can land mid-effect (rolled back, retried) or during the commit
+        (outcome unknown: the retry finds the id done and skips it).
+        """
+        await system.write(100, keys=50, unkeyed_every=5)
+
+        async def keep_writing() -> None:  # events keep coming while the cuts go on
+            for chunk in range(1, 11):
+                await system.write(30, start=100 * chunk, keys=50, unkeyed_every=5)
+                await asyncio.sleep(0.2)
+
+        async with TCPProxy("127.0.0.1", pg.port) as proxy:
+            inbox_dsn = f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres"
+            async with (
+                running_relay(system, broker_url, batch_size=50),
+                running_consumer(system, broker_url, dsn=inbox_dsn),
+            ):
+                writing = asyncio.ensure_future(keep_writing())
+                cuts = 0
+                while not writing.done():
+                    await asyncio.sleep(random.uniform(0.05, 0.2))
+                    cuts += await proxy.cut() > 0  # only cuts that found a live connection
+                await writing
+                await finish(system, broker_url)
+            connections = proxy.connections_total
+        # Each counted cut dropped live inbox connections, so the store reconnected as often.
+        assert cuts >= 6 and connections >= cuts, (cuts, connections)
 
     async def test_consumer_killed_between_effect_and_ack(
         self, system: OutboxSystem, broker_url: str
@@ -182,3 +243,93 @@ async def test_private_broker_restarted(pg: PrivatePostgres, private_broker: Any
             await finish(system, url)
     finally:
         await system.teardown()
+
+
+@pytest.mark.private_broker
+async def test_broker_outage_burns_no_attempts(pg: PrivatePostgres, private_broker: Any) -> None:
+    """The broker node is down for many retry rounds: nothing is dead-lettered, all goes out after.
+
+    ``max_attempts=2`` and a fast retry schedule: had the outage counted, every
+    row claimed during it would be dead within a second.
+    """
+    url = private_broker.url
+    table, queue = f"outage_{uuid.uuid4().hex[:8]}", f"outage-{uuid.uuid4().hex[:8]}"
+    await create_schema(pg.dsn, table=table)
+    connection_ = await aio_pika.connect(url, timeout=10)
+    async with connection_:
+        await (await connection_.channel()).declare_queue(queue, durable=True)
+    written: list[str] = []
+    enough = asyncio.Event()
+    registry = CollectorRegistry()
+
+    async def writer() -> None:
+        """Service A, all along: 10 keys and unkeyed rows."""
+        async with await psycopg.AsyncConnection.connect(pg.dsn) as conn:
+            for n in itertools.count():
+                if enough.is_set():
+                    return
+                mid, key = f"w{n:05d}", f"k{n % 10}" if n % 3 else None
+                async with conn.transaction():
+                    await add(
+                        conn, b"x", routing_key=queue, message_id=mid, ordering_key=key, table=table
+                    )
+                written.append(mid)
+                await asyncio.sleep(0.01)
+
+    relay = OutboxRelay(
+        pg.dsn,
+        connection(url, "outbox-outage"),
+        settings=RelaySettings(
+            batch_size=50,
+            poll_interval=0.2,
+            publish_timeout=1.0,
+            max_attempts=2,
+            retry_backoff_initial=0.05,
+            retry_backoff_max=0.1,
+            reconnect_delay_max=0.3,
+        ),
+        publisher_settings=PublisherSettings(unavailable_timeout=0.5, publish_timeout=1.0),
+        table=table,
+        registry=registry,
+    )
+    try:
+        async with relay:
+            running = asyncio.ensure_future(relay.run())
+            writing = asyncio.ensure_future(writer())
+            try:
+                while relay.stats().dispatched < 50:
+                    assert not running.done() and not writing.done()
+                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(private_broker.stop)
+                await asyncio.sleep(6)  # many claim rounds against a dead broker
+                during = relay.stats()
+                assert during.dead == 0 and during.broker_outages >= 3, during
+                assert during.deferred > 0, during
+                await asyncio.to_thread(private_broker.start)
+                await asyncio.sleep(1)
+                enough.set()
+                await writing
+                status = await outbox_status(pg.dsn, table=table)
+                deadline = time.monotonic() + 60
+                while status.pending or status.dead:
+                    assert status.dead == 0, status
+                    assert time.monotonic() < deadline, (status, relay.stats())
+                    await asyncio.sleep(0.2)
+                    status = await outbox_status(pg.dsn, table=table)
+            finally:
+                enough.set()
+                await asyncio.gather(writing, return_exceptions=True)
+                relay.stop()
+                await asyncio.wait_for(running, 30)
+            stats = relay.stats()
+        assert stats.dead == 0 and stats.retried == 0, stats
+        failed = "reliable_mq_outbox_failed_rows_total"
+        for outcome, count in (("deferred", stats.deferred), ("retry", 0), ("dead", 0)):
+            assert registry.get_sample_value(failed, {"table": table, "outcome": outcome}) == count
+        drained = await drain_queue(url, queue, idle_timeout=1.0)
+        assert {m.message_id for m in drained} == set(written)
+    finally:
+        if not private_broker.is_running():
+            await asyncio.to_thread(private_broker.start)
+        async with await psycopg.AsyncConnection.connect(pg.dsn, autocommit=True) as conn:
+            await conn.execute(f"DROP TABLE IF EXISTS {table}")

@@ -7,10 +7,11 @@ import re
 import sqlite3
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
@@ -18,15 +19,28 @@ from structlog.testing import capture_logs
 
 from reliable_mq import PublisherSettings
 from reliable_mq.cli import main
+from reliable_mq.errors import (
+    ClosedError,
+    PublishAborted,
+    PublishGaveUp,
+    PublishOutcomeUnknown,
+    PublishTimeout,
+    PublishUnavailable,
+    ReliableMQError,
+)
 from reliable_mq.outbox import (
     OutboxError,
     OutboxRelay,
+    OutboxRow,
     OutboxUnavailable,
     RelaySettings,
+    RowOutcome,
     add,
     add_sync,
     schema_sql,
 )
+from reliable_mq.outbox._backend import RowResult
+from reliable_mq.outbox._postgres import PostgresBackend
 from reliable_mq.outbox.admin import create_schema, dead_rows, outbox_status, requeue_dead
 from reliable_mq.testing import TCPProxy
 from tests.support.amqp import drain_queue
@@ -193,6 +207,57 @@ class TestDispatch:
                 relay.stop()
                 await asyncio.wait_for(running, 10)
 
+    async def test_a_dropped_listen_connection_falls_back_to_polling_then_listens_again(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        """The LISTEN backend is terminated (as a pooler or a failover would): rows still go
+        out within ``poll_interval``, and the relay LISTENs again on a new connection."""
+        poll = 1.0
+        async with relay_for(pg.dsn, broker_url, table, poll_interval=poll) as relay:
+            backend: Any = relay._backend
+            wakes: list[tuple[float, bool]] = []
+            wait_for_work = backend.wait_for_work
+
+            async def recorded(timeout: float) -> bool:
+                notified: bool = await wait_for_work(timeout)
+                wakes.append((time.monotonic(), notified))
+                return notified
+
+            backend.wait_for_work = recorded
+            running = asyncio.ensure_future(relay.run())
+            try:
+                assert backend.listening
+                first = await _listener_pid(pg.dsn, relay)
+                await _terminate(pg.dsn, first)
+                deadline = time.monotonic() + 5
+                while backend.listening:  # the listen task ends with its connection
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                written = time.monotonic()
+                await write(pg.dsn, table, [{"routing_key": queue, "message_id": "polled"}])
+                while relay.stats().dispatched < 1:
+                    assert time.monotonic() - written < poll + 1.5, "not found by polling"
+                    await asyncio.sleep(0.02)
+                deadline = time.monotonic() + 15
+                while not backend.listening:  # open() LISTENs again (at most every 5 s)
+                    assert time.monotonic() < deadline, "the relay never listened again"
+                    await asyncio.sleep(0.05)
+                second = await _listener_pid(pg.dsn, relay)
+                assert second != first
+                await asyncio.sleep(0.3)  # let the wake-up that listening again causes pass
+                written = time.monotonic()
+                await write(pg.dsn, table, [{"routing_key": queue, "message_id": "notified"}])
+                while relay.stats().dispatched < 2:
+                    assert time.monotonic() - written < poll + 1.5
+                    await asyncio.sleep(0.02)
+                # Woken by the notification, not by the poll (a poll returns False).
+                assert any(notified for at, notified in wakes if at >= written), wakes[-3:]
+            finally:
+                relay.stop()
+                await asyncio.wait_for(running, 10)
+        drained = await drain_queue(broker_url, queue, idle_timeout=0.5)
+        assert [m.message_id for m in drained] == ["polled", "notified"]
+
     async def test_polling_alone_finds_rows(
         self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
     ) -> None:
@@ -221,6 +286,354 @@ class TestDispatch:
             await asyncio.sleep(0.3)
             assert await relay.cleanup() == 10
         assert await _rows(pg.dsn, table) == 0
+        await drain_queue(broker_url, queue, idle_timeout=0.3)
+
+
+class TestFairness:
+    async def test_a_hot_key_never_stalls_the_other_keys(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        """5,000 rows of one key, then 200 rows over 50 keys: the 50 keys go out in the first batches.
+
+        Each claim takes the hot key's head and the head of every other key,
+        so the other keys' four rows each are out after four batches, long
+        before the hot key drains; every key keeps its order.
+        """
+        async with await psycopg.AsyncConnection.connect(pg.dsn) as conn:
+            await conn.execute(
+                f"INSERT INTO {table} (message_id, routing_key, ordering_key, body)"
+                " SELECT 'hot-' || lpad(n::text, 5, '0'), %s, 'hot', '\\x00'"
+                " FROM generate_series(0, 4999) AS n",
+                (queue,),
+            )
+            await conn.commit()
+        await write(
+            pg.dsn,
+            table,
+            [
+                {
+                    "routing_key": queue,
+                    "message_id": f"k{n % 50:02d}-{n // 50}",
+                    "ordering_key": f"k{n % 50:02d}",
+                }
+                for n in range(200)
+            ],
+        )
+        batch_of: dict[str, int] = {}
+
+        def dispatched(rows: Sequence[OutboxRow]) -> None:
+            number = len({*batch_of.values()}) + 1
+            batch_of.update((row.message_id, number) for row in rows)
+
+        relay = OutboxRelay(
+            pg.dsn,
+            broker_url,
+            settings=RelaySettings(batch_size=500, poll_interval=0.2),
+            table=table,
+            registry=CollectorRegistry(),
+            on_dispatched=dispatched,
+        )
+        others = {f"k{n % 50:02d}-{n // 50}" for n in range(200)}
+        async with relay:
+            running = asyncio.ensure_future(relay.run())
+            try:
+                deadline = time.monotonic() + 30
+                while not others <= batch_of.keys():
+                    assert time.monotonic() < deadline, relay.stats()
+                    await asyncio.sleep(0.01)
+            finally:
+                relay.stop()
+                await asyncio.wait_for(running, 10)
+        assert max(batch_of[mid] for mid in others) <= 4, sorted(batch_of.values())[-5:]
+        hot_out = sum(1 for mid in batch_of if mid.startswith("hot-"))
+        assert hot_out < 100  # the hot key is far from drained
+        drained = [
+            m.message_id or "" for m in await drain_queue(broker_url, queue, idle_timeout=0.5)
+        ]
+        by_key: dict[str, list[str]] = {}
+        for mid in drained:
+            by_key.setdefault(mid.split("-")[0], []).append(mid)
+        assert by_key.pop("hot") == [f"hot-{n:05d}" for n in range(hot_out)]
+        assert len(by_key) == 50
+        for key, mids in by_key.items():
+            assert mids == [f"{key}-{n}" for n in range(4)], mids
+
+    async def test_two_relays_never_hold_one_key_at_once(
+        self, pg: PrivatePostgres, table: str, broker_url: str
+    ) -> None:
+        """While one relay's batch holds a key's head, another relay claims nothing of that key."""
+        events: list[dict[str, Any]] = [
+            {"routing_key": "rk", "message_id": f"{key}{n}", "ordering_key": key}
+            for n in range(3)
+            for key in ("a", "b", "c")
+        ]
+        events += [{"routing_key": "rk", "message_id": f"u{n}"} for n in range(4)]
+        await write(pg.dsn, table, events)
+        first, second = _backend(pg.dsn, table), _backend(pg.dsn, table)
+        try:
+            await first.open()
+            await second.open()
+            held = await first.claim(2)  # a0, b0: the two oldest heads
+            assert [r.message_id for r in held] == ["a0", "b0"]
+            taken = await second.claim(100)  # c0 and the unkeyed rows; nothing of a or b
+            assert sorted(r.message_id for r in taken) == ["c0", "u0", "u1", "u2", "u3"]
+            await first.finish([RowResult(r, RowOutcome.CONFIRMED) for r in held])
+            await second.abandon()
+            again = await second.claim(100)  # a and b's next rows now; c0 was given back
+            assert sorted(r.message_id for r in again) == ["a1", "b1", "c0", "u0", "u1", "u2", "u3"]
+            await second.abandon()
+        finally:
+            await first.close()
+            await second.close()
+
+    async def test_keys_beyond_one_scan_are_reached_in_turn(
+        self, pg: PrivatePostgres, table: str
+    ) -> None:
+        """More keys than ``scan_limit``: each claim goes on from the last key seen, wrapping."""
+        await write(
+            pg.dsn,
+            table,
+            [
+                {"routing_key": "rk", "message_id": f"k{n}", "ordering_key": f"k{n}"}
+                for n in range(5)
+            ],
+        )
+        backend = _backend(pg.dsn, table, scan_limit=2)
+        try:
+            await backend.open()
+            seen = []
+            for _ in range(4):
+                rows = await backend.claim(10)
+                seen.append(sorted(r.ordering_key or "" for r in rows))
+                await backend.abandon()
+            assert seen == [["k0", "k1"], ["k2", "k3"], ["k0", "k4"], ["k1", "k2"]]
+        finally:
+            await backend.close()
+
+
+class TestAttempts:
+    async def test_a_nacked_row_backs_off_then_goes_dead_blocking_only_its_key(
+        self,
+        pg: PrivatePostgres,
+        table: str,
+        broker_url: str,
+        queue: str,
+        amqp: aio_pika.abc.AbstractChannel,
+    ) -> None:
+        """Real nacks: K's head is retried with a backoff, K's next row waits, other keys go on.
+
+        After ``max_attempts`` nacked dispatches the head is dead with its
+        reason, and only then does K's next row go out.
+        """
+        full = f"full-{uuid.uuid4().hex[:8]}"
+        refusing = await amqp.declare_queue(
+            full, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+        )
+        await write(
+            pg.dsn,
+            table,
+            [
+                {"routing_key": full, "message_id": "K1", "ordering_key": "K"},
+                {"routing_key": queue, "message_id": "K2", "ordering_key": "K"},
+                {"routing_key": queue, "message_id": "L1", "ordering_key": "L"},
+                {"routing_key": queue, "message_id": "U1"},
+            ],
+        )
+        registry = CollectorRegistry()
+        try:
+            async with relay_for(
+                pg.dsn,
+                broker_url,
+                table,
+                registry,
+                max_attempts=3,
+                retry_backoff_initial=0.4,
+                retry_backoff_max=0.4,
+                publisher_settings=PublisherSettings(max_attempts=1),
+            ) as relay:
+                assert await relay.run_once() == 3  # K1 (nacked), L1, U1; K2 is not K's head
+                assert (relay.stats().dispatched, relay.stats().retried) == (2, 1)
+                # K1 backs off; K2 waits behind it; nothing else is there.
+                assert await relay.run_once() == 0
+                rows = await _pending(pg.dsn, table)
+                assert rows["K1"][0] == 1 and rows["K1"][1] > 0.2  # one attempt, due later
+                assert rows["K2"] == (0, 0.0)
+                running = asyncio.ensure_future(relay.run())
+                try:
+                    deadline = time.monotonic() + 20
+                    while relay.stats().dispatched < 3:
+                        assert time.monotonic() < deadline, relay.stats()
+                        await asyncio.sleep(0.02)
+                finally:
+                    relay.stop()
+                    await asyncio.wait_for(running, 10)
+                stats = relay.stats()
+                assert (stats.dead, stats.retried, stats.deferred) == (1, 2, 0), stats
+                # Three dispatches in all, a backoff apart: no hot loop.
+                assert relay._publisher.stats().nacked == 3
+            (dead,) = await dead_rows(pg.dsn, table=table)
+            assert (dead.message_id, dead.attempts) == ("K1", 3)
+            assert dead.last_error.startswith("gave up after 3 attempts; last: PublishGaveUp")
+            drained = [m.message_id for m in await drain_queue(broker_url, queue, idle_timeout=0.5)]
+            assert drained == ["L1", "U1", "K2"]
+            failed = "reliable_mq_outbox_failed_rows_total"
+            for outcome, count in (("retry", 2), ("dead", 1)):
+                labels = {"table": table, "outcome": outcome}
+                assert registry.get_sample_value(failed, labels) == count, outcome
+        finally:
+            await refusing.delete(if_unused=False, if_empty=False)
+
+    async def test_unlimited_attempts_keep_a_row_pending(
+        self,
+        pg: PrivatePostgres,
+        table: str,
+        broker_url: str,
+        amqp: aio_pika.abc.AbstractChannel,
+    ) -> None:
+        """``max_attempts=None``: a row nacked again and again stays pending."""
+        full = f"full-{uuid.uuid4().hex[:8]}"
+        refusing = await amqp.declare_queue(
+            full, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+        )
+        await write(pg.dsn, table, [{"routing_key": full, "message_id": "K1"}])
+        try:
+            async with relay_for(
+                pg.dsn,
+                broker_url,
+                table,
+                max_attempts=None,
+                retry_backoff_initial=0.01,
+                retry_backoff_max=0.01,
+                publisher_settings=PublisherSettings(max_attempts=1),
+            ) as relay:
+                for _ in range(5):
+                    await asyncio.sleep(0.02)
+                    await relay.run_once()
+                assert relay.stats().dead == 0 and relay.stats().retried >= 4
+            assert (await _pending(pg.dsn, table))["K1"][0] >= 4
+        finally:
+            await refusing.delete(if_unused=False, if_empty=False)
+
+
+class TestFailureClassification:
+    """Which publish failures count as an attempt of the row (no I/O)."""
+
+    @pytest.mark.parametrize(
+        ("error", "reachable", "outcome"),
+        [
+            (PublishGaveUp("nacked", message_id="m", attempts=5), True, RowOutcome.RETRY),
+            (PublishGaveUp("nacked", message_id="m", attempts=5), False, RowOutcome.RETRY),
+            (PublishTimeout("late", message_id="m", attempts=1), True, RowOutcome.RETRY),
+            (PublishOutcomeUnknown("?", message_id="m", attempts=2), True, RowOutcome.RETRY),
+            # The connection dropped during the batch, or the message never got out.
+            (PublishTimeout("late", message_id="m", attempts=1), False, RowOutcome.DEFERRED),
+            (PublishTimeout("late", message_id="m", attempts=0), True, RowOutcome.DEFERRED),
+            (PublishUnavailable("down", message_id="m", attempts=0), True, RowOutcome.DEFERRED),
+            (PublishUnavailable("down", message_id="m", attempts=3), True, RowOutcome.DEFERRED),
+            (PublishAborted("closing", message_id="m", attempts=1), True, RowOutcome.DEFERRED),
+            (ClosedError("publisher is closed"), True, RowOutcome.DEFERRED),
+        ],
+    )
+    def test_outcome(
+        self, tmp_path: Path, error: ReliableMQError, reachable: bool, outcome: RowOutcome
+    ) -> None:
+        """Broker outages are deferred uncounted; failures of the message itself count."""
+        relay = OutboxRelay(tmp_path / "x.db", "amqp://guest:guest@127.0.0.1:1/")
+        assert relay._failed(_row(attempts=0), error, reachable=reachable).outcome is outcome
+
+    def test_the_last_counted_attempt_is_dead(self, tmp_path: Path) -> None:
+        """The ``max_attempts``-th counted failure dead-letters; a deferral never does."""
+        relay = OutboxRelay(
+            tmp_path / "x.db",
+            "amqp://guest:guest@127.0.0.1:1/",
+            settings=RelaySettings(max_attempts=3),
+        )
+        nack = PublishGaveUp("nacked", message_id="m", attempts=5)
+        assert relay._failed(_row(attempts=1), nack, reachable=True).outcome is RowOutcome.RETRY
+        last = relay._failed(_row(attempts=2), nack, reachable=True)
+        assert last.outcome is RowOutcome.DEAD
+        assert last.reason.startswith("gave up after 3 attempts; last: PublishGaveUp")
+        down = PublishUnavailable("down", message_id="m", attempts=0)
+        assert relay._failed(_row(attempts=99), down, reachable=False).outcome is (
+            RowOutcome.DEFERRED
+        )
+
+
+class TestMetrics:
+    async def test_backlog_lag_failures_and_batch_latency_from_a_real_run(
+        self,
+        pg: PrivatePostgres,
+        table: str,
+        broker_url: str,
+        queue: str,
+        amqp: aio_pika.abc.AbstractChannel,
+    ) -> None:
+        """Every outbox metric, read from the relay's registry while it runs and after."""
+        full = f"full-{uuid.uuid4().hex[:8]}"
+        refusing = await amqp.declare_queue(
+            full, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+        )
+        await write(
+            pg.dsn,
+            table,
+            [{"routing_key": queue, "message_id": f"ok{n}"} for n in range(4)]
+            + [
+                {"routing_key": full, "message_id": "nacked"},
+                {"routing_key": f"nobody-{queue}", "message_id": "unroutable"},
+            ],
+        )
+        async with await psycopg.AsyncConnection.connect(pg.dsn, autocommit=True) as conn:
+            await conn.execute(f"UPDATE {table} SET created_at = now() - interval '30 seconds'")
+        registry = CollectorRegistry()
+        labels = {"table": table}
+
+        def sample(name: str, **extra: str) -> float | None:
+            return registry.get_sample_value(f"reliable_mq_outbox_{name}", {**labels, **extra})
+
+        seen: list[tuple[float, float]] = []
+        try:
+            async with relay_for(
+                pg.dsn,
+                broker_url,
+                table,
+                registry,
+                stats_interval=0.2,
+                max_attempts=2,
+                retry_backoff_initial=0.3,
+                retry_backoff_max=0.3,
+                publisher_settings=PublisherSettings(max_attempts=1),
+            ) as relay:
+                running = asyncio.ensure_future(relay.run())
+                try:
+                    deadline = time.monotonic() + 20
+                    while relay.stats().dead < 2 or sample("pending_rows") != 0:
+                        assert time.monotonic() < deadline, (relay.stats(), seen[-3:])
+                        seen.append(
+                            (sample("pending_rows") or 0, sample("oldest_pending_age_seconds") or 0)
+                        )
+                        await asyncio.sleep(0.01)
+                finally:
+                    relay.stop()
+                    await asyncio.wait_for(running, 10)
+                stats = relay.stats()
+        finally:
+            await refusing.delete(if_unused=False, if_empty=False)
+        # First measured before the first batch: six pending, the oldest 30 s old (the lag).
+        first = next(value for value in seen if value != (0, 0))
+        assert first[0] == 6 and 30 <= first[1] < 60, seen[:3]
+        # The nacked row backing off between its two attempts: one pending, still old.
+        assert any(pending == 1 and age >= 30 for pending, age in seen), seen
+        assert sample("pending_rows") == 0 and sample("oldest_pending_age_seconds") == 0
+        assert (stats.pending, stats.oldest_age) == (0, 0.0)
+        assert sample("dispatched_rows_total") == 4
+        assert sample("failed_rows_total", outcome="retry") == 1
+        assert sample("failed_rows_total", outcome="dead") == 2  # unroutable; out of attempts
+        assert sample("failed_rows_total", outcome="deferred") == 0
+        batches = sample("batch_seconds_count")
+        assert batches == stats.batches >= 2
+        assert sample("batch_seconds_bucket", le="+Inf") == batches
+        total = sample("batch_seconds_sum")
+        assert total is not None and 0 < total < 20
         await drain_queue(broker_url, queue, idle_timeout=0.3)
 
 
@@ -299,6 +712,48 @@ class TestSQLite:
         assert (status.pending, status.dead) == (0, 1)
         conn.close()
 
+    async def test_a_hot_key_never_stalls_the_other_keys(self, tmp_path: Path) -> None:
+        """As in PostgreSQL: every claim takes each key's head, however long the hot key's backlog."""
+        from reliable_mq.outbox._sqlite import SQLiteBackend
+
+        path = tmp_path / "hot.db"
+        conn = sqlite3.connect(path)
+        for statement in schema_sql("sqlite"):
+            conn.execute(statement)
+        for n in range(3000):
+            add_sync(conn, b"x", routing_key="rk", message_id=f"hot-{n}", ordering_key="hot")
+        for n in range(20):
+            add_sync(
+                conn,
+                b"x",
+                routing_key="rk",
+                message_id=f"k{n % 5}-{n // 5}",
+                ordering_key=f"k{n % 5}",
+            )
+        add_sync(conn, b"x", routing_key="rk", message_id="free")
+        conn.commit()
+        conn.close()
+        backend = SQLiteBackend(
+            path,
+            table="reliable_mq_outbox",
+            owner="a",
+            scan_limit=100,
+            lease=60,
+            keep_sent=0,
+            retry_backoff=(1, 1),
+        )
+        try:
+            batches = []
+            for _ in range(4):
+                rows = await backend.claim(100)
+                batches.append(sorted(r.message_id for r in rows))
+                await backend.finish([RowResult(r, RowOutcome.CONFIRMED) for r in rows])
+            assert batches[0] == ["free", "hot-0", "k0-0", "k1-0", "k2-0", "k3-0", "k4-0"]
+            for n in range(1, 4):
+                assert batches[n] == [f"hot-{n}", *(f"k{k}-{n}" for k in range(5))]
+        finally:
+            await backend.close()
+
     async def test_lease_keeps_two_relays_apart(self, tmp_path: Path, broker_url: str) -> None:
         from reliable_mq.outbox._sqlite import SQLiteBackend
 
@@ -344,7 +799,7 @@ class TestCLI:
         assert main(["outbox", "init", *base]) == 0
         assert main(["outbox", "init", *base]) == 0  # idempotent
         asyncio.run(write(pg.dsn, table, [{"routing_key": f"nobody-{table}", "message_id": "d1"}]))
-        assert main(["outbox", "relay", "--once", *base]) == 0
+        assert main(["outbox", "relay", "--once", "--max-attempts", "3", *base]) == 0
         assert main(["outbox", "status", *base]) == 0
         assert main(["outbox", "dead", "--json", *base]) == 0
         assert main(["outbox", "requeue", "--id", "999999", *base]) == 1
@@ -380,6 +835,62 @@ async def _rows(dsn: str, table: str) -> int:
         cursor = await conn.execute(f"SELECT count(*) FROM {table}")
         row = await cursor.fetchone()
         return int(row[0]) if row else -1
+
+
+async def _pending(dsn: str, table: str) -> dict[str, tuple[int, float]]:
+    """Pending rows by message id: (attempts, seconds until due, 0 if due)."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cursor = await conn.execute(
+            f"SELECT message_id, attempts,"
+            f" extract(epoch FROM greatest(available_at, now()) - now())::float8"
+            f" FROM {table} WHERE state = 'pending'"
+        )
+        return {mid: (int(n), float(due)) for mid, n, due in await cursor.fetchall()}
+
+
+async def _listener_pid(dsn: str, relay: OutboxRelay) -> int:
+    """The server process of ``relay``'s LISTEN connection."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cursor = await conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'"
+            " AND application_name LIKE %s",
+            (f"%{relay.name}%",),
+        )
+        rows = await cursor.fetchall()
+        assert len(rows) == 1, rows
+        return int(rows[0][0])
+
+
+async def _terminate(dsn: str, pid: int) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cursor = await conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        assert (await cursor.fetchone()) == (True,)
+
+
+def _backend(dsn: str, table: str, *, scan_limit: int = 100) -> PostgresBackend:
+    return PostgresBackend(
+        dsn,
+        table=table,
+        scan_limit=scan_limit,
+        listen=False,
+        keep_sent=0,
+        retry_backoff=(1, 1),
+        transaction_timeout=30,
+    )
+
+
+def _row(*, attempts: int) -> OutboxRow:
+    return OutboxRow(
+        id=1,
+        message_id="m",
+        exchange="",
+        routing_key="rk",
+        ordering_key=None,
+        body=b"x",
+        properties={},
+        attempts=attempts,
+        created_at=0.0,
+    )
 
 
 async def _drop(dsn: str, table: str) -> None:
