@@ -42,6 +42,8 @@ class ExchangeCache:
         self._probes: dict[str, asyncio.Task[Fault | None]] = {}
         self._channel: aiormq.Channel | None = None
         self._lock = asyncio.Lock()
+        self.channels_opened = 0
+        """Probe channels opened so far (a 404 closes the probe channel)."""
 
     def refused(self, exchange: str) -> Fault | None:
         """The cached refusal of ``exchange``, if one is still in force."""
@@ -129,5 +131,6 @@ class ExchangeCache:
         async with asyncio.timeout(self._open_timeout):
             opened = await transport.connection.channel(publisher_confirms=False)
         assert isinstance(opened, aiormq.Channel)
+        self.channels_opened += 1
         self._channel = opened
         return opened
