@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 import uuid
 from typing import Any
@@ -60,6 +61,11 @@ class TestRefusedBeforeSending:
             ({"priority": 300}, "priority"),
             ({"persistent": "yes"}, "persistent must be a bool"),
             ({"nonsense": 1}, "unknown message option"),
+            ({"routing_key": "q\ud800"}, "routing_key is not encodable as UTF-8"),
+            ({"message_id": "m\udfff"}, "message_id is not encodable as UTF-8"),
+            ({"correlation_id": "\ud800"}, "correlation_id is not encodable"),
+            ({"headers": {"k\ud800": 1}}, "headers name .* not encodable"),
+            ({"headers": {"k": ["ok", "v\udc00"]}}, r"headers\['k'\]\[1\] is not encodable"),
         ],
     )
     async def test_invalid_options_raise_and_send_nothing(
@@ -237,6 +243,40 @@ class TestBatches:
             quiet = await publisher.publish_many(messages[:5], raise_on_error=False)
             assert quiet.ok and quiet.confirmed == 5
         assert len(await drain_queue(broker_url, queue)) == 1001
+
+    async def test_lone_surrogates_fail_alone(self, broker_url: str, queue: str) -> None:
+        """Messages with a lone surrogate anywhere fail alone with InvalidMessage naming the
+        field (InvalidBody for the body); the good ones around them are confirmed."""
+        bad: dict[int, tuple[dict[str, Any], str]] = {
+            3: ({"routing_key": "q\ud800"}, "routing_key"),
+            7: ({"message_id": "id-\udfff"}, "message_id"),
+            11: ({"headers": {"\ud800": 1}}, "headers name"),
+            13: ({"headers": {"k": "v\ud800"}}, r"headers\['k'\]"),
+            17: ({"app_id": "\udc80"}, "app_id"),
+            19: ({"body": "text \ud800"}, "body text"),
+        }
+        messages = []
+        for index in range(500):
+            options, _ = bad.get(index, ({}, ""))
+            fields: dict[str, Any] = {"body": f"ok {index}", "routing_key": queue, **options}
+            messages.append(Message(**fields))
+        async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
+            result = await publisher.publish_many(messages, raise_on_error=False)
+            assert (result.taken, result.confirmed) == (500, 500 - len(bad))
+            assert [f.index for f in result.failures] == sorted(bad)
+            for failure in result.failures:
+                assert isinstance(failure.error, InvalidMessage), failure.error
+                assert re.match(bad[failure.index][1], str(failure.error)), failure.error
+            for options, field in bad.values():
+                fields = {"body": b"x", "routing_key": queue, **options}
+                body = fields.pop("body")
+                with pytest.raises(InvalidMessage, match=field):
+                    await publisher.publish(body, **fields)
+            assert _generations(publisher) == (1, 1)
+            await publisher.publish(b"after", routing_key=queue)
+        bodies = [m.body for m in await drain_queue(broker_url, queue)]
+        expected = [f"ok {i}".encode() for i in range(500) if i not in bad]
+        assert bodies == [*expected, b"after"]
 
     async def test_max_failures_stops_reading(self, broker_url: str, queue: str) -> None:
         """max_failures stops taking messages from the input; what was taken finishes."""
