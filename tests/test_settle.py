@@ -24,6 +24,7 @@ from reliable_mq._settle import (
     decide,
     next_rung,
 )
+from reliable_mq._wire import encode_headers
 from reliable_mq.delivery import Delivery, Settle
 from reliable_mq.errors import (
     ClosedError,
@@ -340,6 +341,36 @@ class TestCopies:
         )
         assert copy.headers[ERROR_TYPE_HEADER] == "max_attempts"
         assert copy.headers[ERROR_MESSAGE_HEADER] == "delivered 9 times, max_attempts=5"
+
+    def test_text_headers_are_always_utf8(self) -> None:
+        """What a handler raised or said, lone surrogates included, is written escaped:
+        the publisher would refuse the copy otherwise (and the ladder would skip a retry)."""
+        retry = build_copy(
+            _delivery({}),
+            TOPOLOGY,
+            1.0,
+            Decision(Settle.RETRY),
+            Cause(Outcome.RAISED, ValueError("bad \udfff")),
+        )
+        assert retry.headers[LAST_ERROR_HEADER] == "ValueError: bad \\udfff"
+        dead = build_copy(
+            _delivery({}),
+            TOPOLOGY,
+            1.0,
+            Decision(Settle.DEAD_LETTER, DeadLetterReason.HANDLER_ERROR),
+            Cause(Outcome.RAISED, ValueError("\ud800" + "x" * 2000)),
+        )
+        assert dead.headers[ERROR_MESSAGE_HEADER] == "\\ud800" + "x" * 996 + "..."
+        reject = build_copy(
+            _delivery({}),
+            TOPOLOGY,
+            1.0,
+            Decision(Settle.DEAD_LETTER, DeadLetterReason.REJECTED),
+            Cause(Outcome.REJECT_SIGNAL, Reject("no \ud800"), "no \ud800"),
+        )
+        assert reject.headers[ERROR_MESSAGE_HEADER] == "no \\ud800"
+        for copy in (retry, dead, reject):
+            encode_headers(copy.headers)  # encodable as they are
 
     def test_deferral_keeps_the_attempt(self) -> None:
         """A deferred copy goes round the first retry queue with the same attempt."""
