@@ -216,6 +216,74 @@ class TestMissingExchange:
         confirmed = {k for k, o in outcomes.items() if isinstance(o, PublishResult)}
         assert confirmed <= delivered
 
+    async def test_deleting_one_exchange_spares_the_other(
+        self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, queue: str
+    ) -> None:
+        """Two exchanges streamed to at once; A is deleted mid-stream. The 404 closes the
+        channel both share: every B message is still confirmed (re-sent, never reported
+        ExchangeNotFound or outcome unknown) and in B's queue; A's end confirmed,
+        ExchangeNotFound or PublishOutcomeUnknown; the connection is never closed."""
+        tag = uuid.uuid4().hex[:8]
+        exchange_a, exchange_b = f"gone-{tag}", f"kept-{tag}"
+        queue_a = (await amqp.declare_queue(f"test-gone-{tag}", durable=True)).name
+        try:
+            for exchange, target in ((exchange_a, queue_a), (exchange_b, queue)):
+                declared = await amqp.declare_exchange(exchange, aio_pika.ExchangeType.FANOUT)
+                await (await amqp.get_queue(target)).bind(declared)
+            registry = CollectorRegistry()
+            outcomes: dict[str, dict[str, PublishResult | BaseException]] = {
+                exchange_a: {},
+                exchange_b: {},
+            }
+            async with ReliablePublisher(
+                conn(broker_url), settings=fast_settings(max_in_flight=400), registry=registry
+            ) as publisher:
+
+                async def one(exchange: str, index: int) -> None:
+                    message_id = f"{exchange}-{index}"
+                    try:
+                        outcome: PublishResult | BaseException = await publisher.publish(
+                            b"x", routing_key="", exchange=exchange, message_id=message_id
+                        )
+                    except PublishError as exc:
+                        outcome = exc
+                    outcomes[exchange][message_id] = outcome
+
+                # Both exchanges probed first: then the stream interleaves them on the channel.
+                await asyncio.gather(one(exchange_a, -1), one(exchange_b, -1))
+                tasks = [
+                    asyncio.ensure_future(one(exchange, index))
+                    for index in range(3000)
+                    for exchange in (exchange_a, exchange_b)
+                ]
+                await wait_until(lambda: publisher.stats().confirmed >= 600, timeout=30)
+                await amqp.exchange_delete(exchange_a)
+                await asyncio.gather(*tasks)
+                connections, channels = _generations(publisher)
+            nearby = registry.get_sample_value(
+                "reliable_mq_republished_messages_total",
+                {"exchange": exchange_b, "reason": "refused_nearby"},
+            )
+            in_b = [m.message_id for m in await drain_queue(broker_url, queue)]
+            in_a = {m.message_id for m in await drain_queue(broker_url, queue_a)}
+        finally:
+            await amqp.exchange_delete(exchange_b)
+            await amqp.exchange_delete(exchange_a)
+            await amqp.queue_delete(queue_a)
+        kinds_b = {type(o).__name__ for o in outcomes[exchange_b].values()}
+        assert kinds_b == {"PublishResult"}, kinds_b
+        assert set(in_b) == set(outcomes[exchange_b])
+        kinds_a = {type(o).__name__ for o in outcomes[exchange_a].values()}
+        assert kinds_a <= {"PublishResult", "ExchangeNotFound", "PublishOutcomeUnknown"}, kinds_a
+        not_found = {k for k, o in outcomes[exchange_a].items() if isinstance(o, ExchangeNotFound)}
+        assert not_found, "the deletion came too late to test anything"
+        assert not (not_found & in_a), "a delivered message was reported ExchangeNotFound"
+        confirmed_a = {k for k, o in outcomes[exchange_a].items() if isinstance(o, PublishResult)}
+        assert confirmed_a <= in_a
+        assert connections == 1, "the 404 must close the channel only, never the connection"
+        assert channels >= 2  # the 404 closed the shared channel: B's were re-sent on a new one
+        assert nearby, "no B message was in flight when A's 404 closed the channel"
+
 
 class TestBatches:
     async def test_publish_many_reports_each_failure_by_index(
