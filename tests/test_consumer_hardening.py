@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, field_validator
 
 from reliable_mq import PublisherSettings, ReliablePublisher, _wire
+from reliable_mq._settle import UNPUBLISHABLE_COPY
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.dedup import ClaimResult, MemoryDedupStore
 from reliable_mq.delivery import Delivery
@@ -295,6 +296,8 @@ class TestUnpublishableCopies:
                 stats = consumer.stats()
         assert (stats.retried, stats.fallbacks) == (0, 1)
         assert _fallbacks(env, "broker_dead_letter") == 1
+        labels = {"queue": env.queue, "reason": UNPUBLISHABLE_COPY}
+        assert env.registry.get_sample_value("reliable_mq_dead_lettered_messages_total", labels)
         dead = await drain(consumer.topology(env.queue).dead_letter_queue)
         assert [m.message_id for m in dead] == ["bad"]
         death = dead[0].headers["x-death"][0]
