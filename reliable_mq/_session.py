@@ -321,7 +321,7 @@ class Session(Frames):
                 fault, error = await self._publish(delivery, copy)
             if fault is None:
                 assert copy is not None
-                route.copy_published()
+                route.copy_published(delivery)
                 self._copied(delivery, decision, copy)
                 await self.ack_now(ticket.tag)
                 return purpose
@@ -414,7 +414,7 @@ class Session(Frames):
 
     async def _requeue_later(self, ticket: Ticket) -> None:
         """The last rung: hold the delivery a bounded, growing delay, then requeue it."""
-        delay = 0.0 if self.shared.stopping else self.route.next_requeue_delay()
+        delay = 0.0 if self.shared.stopping else self.route.next_requeue_delay(ticket.delivery)
         delivery_log(ticket.delivery).error(
             "delivery_requeued_later",
             delay=delay,

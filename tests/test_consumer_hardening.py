@@ -398,3 +398,50 @@ class TestUnpublishableCopies:
         assert (stats.retried, stats.acked, stats.fallbacks) == (1, 1, 1)
         assert _fallbacks(env, "trimmed_copy") == 1
         assert await drain(env.queue) == []
+
+    async def test_hopeless_message_backs_off_while_other_copies_go_through(self, env: Env) -> None:
+        """One message no copy of which can be published (the DLQ refuses it), next to a
+        steady stream whose retry copies are published: its holds still double (its own
+        count, not reset by the others' copies), so its handler runs a few times, not
+        every fallback_delay. On a classic queue its attempt number stays 1."""
+        consumer = env.consumer(
+            prefetch=20,
+            retry_delays=(0.05,),
+            max_attempts=3,
+            fallback_delay=0.2,
+            fallback_max_delay=5.0,
+            publisher_settings=PublisherSettings(max_attempts=2),
+        )
+        poison: list[tuple[int, bool]] = []
+        good: list[str] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            if delivery.message_id == "poison":
+                poison.append((delivery.attempt, delivery.redelivered))
+                raise Reject("poison")
+            good.append(delivery.message_id)
+            if delivery.attempt == 1:
+                raise ValueError("once")  # its retry copy is published
+
+        env.track(consumer)
+        dlq = consumer.topology(env.queue).dead_letter_queue
+        async with Policy(f"^{dlq}$", REFUSE_ALL) as refusing, consumer:
+            await env.publish([b"p"], ids=["poison"])
+            async with ReliablePublisher(URL, registry=CollectorRegistry()) as publisher:
+                for index in range(70):  # 3.5 s of traffic whose copies go through
+                    await publisher.publish(b"g", routing_key=env.queue, message_id=f"g{index}")
+                    await asyncio.sleep(0.05)
+            runs = len(poison)
+            await refusing.clear()
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 20, "in the DLQ")
+            await wait_until(lambda: consumer.stats().retried >= 70, 10, "the good retries")
+            await _settled(consumer)
+        # Holds of 0.2, 0.4, 0.8, 1.6 s: about 5 runs in 3.5 s. A hold reset by every
+        # other copy published would have run it every ~0.2 s (about 15 times).
+        assert 3 <= runs <= 7, poison
+        assert {attempt for attempt, _ in poison} == {1}
+        assert all(redelivered for _, redelivered in poison[1:])
+        assert len(set(good)) == 70
+        dead = _dead(await drain(dlq))
+        assert dead["poison"][REASON_HEADER] == "rejected"
