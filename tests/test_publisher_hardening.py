@@ -30,6 +30,7 @@ from reliable_mq import (
     PublishResult,
     PublishUnavailable,
     ReliablePublisher,
+    _exchanges,
 )
 from tests.conftest import wait_until
 from tests.support.amqp import drain_queue
@@ -178,6 +179,44 @@ class TestMissingExchange:
         assert (connections, channels) == (1, 1), figure
         assert len(ids) == len(set(ids)) == len(messages), figure
         assert together <= 2.5 * alone + 1.0, figure  # target 1.5x: bench/collateral.py
+
+    async def test_missing_exchange_is_probed_once_per_ttl(
+        self,
+        broker_url: str,
+        amqp: aio_pika.abc.AbstractChannel,
+        queue: str,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """Concurrent publishes to a missing exchange share one probe; later ones within
+        MISSING_TTL fail locally (no probe channel each); an exchange declared meanwhile
+        is found once the TTL has passed."""
+        monkeypatch.setattr(_exchanges, "MISSING_TTL", 0.5)
+        missing = f"missing-{uuid.uuid4().hex[:8]}"
+        async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
+            probes = publisher._engine.exchanges
+            outcomes = await asyncio.gather(
+                *(publisher.publish(b"b", routing_key="", exchange=missing) for _ in range(50)),
+                return_exceptions=True,
+            )
+            assert all(isinstance(o, ExchangeNotFound) for o in outcomes), outcomes
+            assert probes.channels_opened == 1  # one probe for all 50
+            started = time.monotonic()
+            for _ in range(20):
+                with pytest.raises(ExchangeNotFound):
+                    await publisher.publish(b"b", routing_key="", exchange=missing)
+            assert probes.channels_opened == 1, "a publish within the TTL probed again"
+            assert time.monotonic() - started < 0.5
+            declared = await amqp.declare_exchange(missing, aio_pika.ExchangeType.FANOUT)
+            try:
+                await (await amqp.get_queue(queue)).bind(declared)
+                await asyncio.sleep(0.6)  # the cached 404 has expired
+                result = await publisher.publish(b"now", routing_key="", exchange=missing)
+                assert result.attempts == 1
+                assert probes.channels_opened == 2
+                assert _generations(publisher) == (1, 1)
+            finally:
+                await amqp.exchange_delete(missing)
+        assert [m.body for m in await drain_queue(broker_url, queue)] == [b"now"]
 
     async def test_exchange_deleted_mid_stream(
         self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, queue: str
