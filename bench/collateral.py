@@ -4,8 +4,8 @@ A stream of ``--messages`` good messages is published with ``publish_many()``
 alone, then again next to a loop that publishes to a missing exchange every
 ``--every`` seconds. Printed per round: the time of each stream and their
 ratio, the refusals the loop got (each an ``ExchangeNotFound``), the
-connections and channels the publisher opened, and the duplicate copies found
-in the queue (drained and counted by ``message_id``).
+connections, publish channels and exchange-probe channels the publisher opened,
+and the duplicate copies found in the queue (drained and counted by ``message_id``).
 
     python bench/collateral.py [--messages 10000] [--every 0.05] [--rounds 3]
 """
@@ -71,6 +71,8 @@ async def stream(count: int, every: float | None) -> dict[str, float]:
             await bad
         connections = publisher._supervisor.generation
         channels = publisher.stats().channel_generation
+        # Probe channels (a 404 closes one); absent before reliable_mq counted them.
+        probes = getattr(publisher._engine.exchanges, "channels_opened", float("nan"))
     ids = await drain(queue)
     assert result.confirmed == count and len(ids) == count
     return {
@@ -78,6 +80,7 @@ async def stream(count: int, every: float | None) -> dict[str, float]:
         "refusals": refusals,
         "connections": connections,
         "channels": channels,
+        "probe_channels": probes,
         "duplicates": sum(ids.values()) - len(ids),
     }
 
@@ -94,6 +97,7 @@ async def main(args: argparse.Namespace) -> None:
             f"{args.every * 1000:g} ms {together['seconds']:.2f}s (ratio {ratio:.2f}); "
             f"{together['refusals']:.0f} ExchangeNotFound, {together['connections']:.0f} "
             f"connection(s), {together['channels']:.0f} channel(s), "
+            f"{together['probe_channels']:.0f} probe channel(s), "
             f"{together['duplicates']:.0f} duplicate copies"
         )
     print(f"median ratio {statistics.median(ratios):.2f} (target <= 1.5)")

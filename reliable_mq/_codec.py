@@ -23,21 +23,31 @@ def encode_body(body: Any) -> tuple[bytes, str]:
     dicts, lists and other JSON-able values are JSON.
 
     Raises:
-        InvalidBody: the value cannot be encoded.
+        InvalidBody: the value cannot be encoded (text with a lone surrogate included).
     """
     if isinstance(body, bytes):
         return body, BYTES_CONTENT_TYPE
-    if isinstance(body, str):
-        return body.encode(), TEXT_CONTENT_TYPE
-    if isinstance(body, BaseModel):
-        return body.model_dump_json().encode(), JSON_CONTENT_TYPE
-    if isinstance(body, (bytearray, memoryview)):
-        return bytes(body), BYTES_CONTENT_TYPE
     try:
+        if isinstance(body, str):
+            return body.encode(), TEXT_CONTENT_TYPE
+        if isinstance(body, BaseModel):
+            return body.model_dump_json().encode(), JSON_CONTENT_TYPE
+        if isinstance(body, (bytearray, memoryview)):
+            return bytes(body), BYTES_CONTENT_TYPE
         encoded = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        return encoded.encode(), JSON_CONTENT_TYPE
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") in the text
+        culprit = exc.object[exc.start : exc.end].encode("unicode_escape").decode("ascii")
+        raise InvalidBody(
+            f"body text is not encodable as UTF-8: a lone surrogate {culprit} at index {exc.start}"
+        ) from None
+    except (TypeError, ValueError) as exc:  # pydantic's serialisation error is a ValueError
         raise InvalidBody(
             f"cannot encode a {type(body).__name__} body: pass bytes, str, a pydantic "
-            f"model or JSON-serialisable data ({exc})"
+            f"model or JSON-serialisable data ({_printable(exc)})"
         ) from None
-    return encoded.encode(), JSON_CONTENT_TYPE
+
+
+def _printable(exc: BaseException) -> str:
+    """``str(exc)`` with anything not encodable as UTF-8 escaped."""
+    return str(exc).encode("utf-8", "backslashreplace").decode("utf-8")

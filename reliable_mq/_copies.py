@@ -62,8 +62,18 @@ class Copy:
 
 
 def truncate(text: str, limit: int = TEXT_LIMIT) -> str:
-    """``text`` cut to ``limit`` characters (with ``...``)."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    """``text`` cut to ``limit`` characters (with ``...``), and encodable as UTF-8.
+
+    Our text headers carry what a handler raised or a reason it gave: a lone
+    surrogate there (``"\\ud800"``) is written escaped, so the copy it goes on can
+    be published (the publisher refuses text that is not UTF-8).
+    """
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _small(value: Any) -> bool:

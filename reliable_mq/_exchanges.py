@@ -4,11 +4,15 @@ A publish to a missing exchange makes the broker close the channel with 404,
 and with it every other publish in flight on that channel. So the first
 publish to an exchange waits for a ``exchange.declare(passive=True)`` on a
 separate probe channel; only a 404 there fails the message, and the confirm
-channel never sees it. The answer is cached: "exists" until a publish channel
-is closed with a 404 naming the exchange, "refused" (for example an internal
-exchange, 403) for `REFUSAL_TTL` seconds, so a loop publishing to a bad
-exchange fails locally and fast instead of closing the confirm channel again
-and again.
+channel never sees it. Concurrent first publishes to one exchange share one
+probe. The answer is cached: "exists" until a publish channel is closed with a
+404 naming the exchange; "missing" (a 404 from the probe) for `MISSING_TTL`
+seconds; "refused" (for example an internal exchange, 403) for `REFUSAL_TTL`
+seconds. So a loop publishing to a bad exchange fails locally and fast: it
+neither closes the confirm channel again and again nor opens and closes a probe
+channel (a channel error logged by the broker) for every message. The price of
+the "missing" entry: an exchange declared just after a publish to it failed may
+still fail with ``ExchangeNotFound`` for up to `MISSING_TTL` seconds.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from ._amqp_faults import AMQP_ERRORS, Fault, FaultKind, classify
 from .connection import ConnectionSupervisor
 from .errors import ClosedError
 
-__all__ = ("REFUSAL_TTL", "ExchangeCache")
+__all__ = ("MISSING_TTL", "REFUSAL_TTL", "ExchangeCache")
 
 REFUSAL_TTL = 5.0
 """Seconds a refused exchange fails publishes locally before it is tried again."""
+MISSING_TTL = 1.0
+"""Seconds a missing exchange (404 from the probe) fails publishes locally before it
+is probed again: at most one probe channel per second per missing exchange."""
 _PROBE_ATTEMPTS = 8
 
 
@@ -42,9 +49,11 @@ class ExchangeCache:
         self._probes: dict[str, asyncio.Task[Fault | None]] = {}
         self._channel: aiormq.Channel | None = None
         self._lock = asyncio.Lock()
+        self.channels_opened = 0
+        """Probe channels opened so far (a 404 closes the probe channel)."""
 
     def refused(self, exchange: str) -> Fault | None:
-        """The cached refusal of ``exchange``, if one is still in force."""
+        """The cached refusal (or 404) of ``exchange``, if one is still in force."""
         entry = self._refused.get(exchange)
         if entry is None:
             return None
@@ -110,6 +119,9 @@ class ExchangeCache:
                     self._log.debug(
                         "exchange_probe_refused", exchange=exchange, reason=fault.describe()
                     )
+                    if fault.kind is FaultKind.NOT_FOUND:
+                        until = asyncio.get_running_loop().time() + MISSING_TTL
+                        self._refused[exchange] = (until, fault)
                     return fault
                 self._log.info("exchange_probe_failed", exchange=exchange, error=fault.describe())
                 await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
@@ -129,5 +141,6 @@ class ExchangeCache:
         async with asyncio.timeout(self._open_timeout):
             opened = await transport.connection.channel(publisher_confirms=False)
         assert isinstance(opened, aiormq.Channel)
+        self.channels_opened += 1
         self._channel = opened
         return opened

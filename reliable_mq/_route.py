@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from aiormq import Channel
 
@@ -27,10 +28,16 @@ from .metrics import QueueMetrics
 from .settings import ConnectionSettings, ConsumerSettings
 from .topology import QueueTopology, QueueType, prepare_topology
 
+if TYPE_CHECKING:
+    from .delivery import Delivery
+
 __all__ = ("ChannelKeeper", "Intake", "Route")
 
 Intake = Callable[["Route", Session], OnDelivery]
 """Makes the function a session's channel hands each delivery to."""
+
+HELD_MESSAGES = 1024
+"""Messages whose requeue-later holds a route remembers (least recently held forgotten)."""
 
 
 class Route:
@@ -68,20 +75,42 @@ class Route:
         self.log = get_logger(__name__).bind(connection=name, queue=spec.queue)
         self.queue_has_dlx = False  # known once a channel is open (see ChannelKeeper.open)
         self._unpublishable = 0  # deliveries requeued later in a row (no copy published)
+        self._held: OrderedDict[str | int, int] = OrderedDict()
+        """Times each message (by `_backoff_key`) was requeued later in a row; the
+        most recently held `HELD_MESSAGES` are remembered."""
 
-    def next_requeue_delay(self) -> float:
-        """The hold before requeueing a delivery no copy of which could be published.
+    def next_requeue_delay(self, delivery: Delivery) -> float:
+        """The hold before requeueing ``delivery``, no copy of which could be published.
 
-        Doubles with each such delivery in a row, up to ``fallback_max_delay``;
-        a copy published again resets it.
+        ``fallback_delay`` doubled for each time in a row, up to
+        ``fallback_max_delay``, counted two ways, and the larger count wins: per
+        message (its own holds in a row, ended only by a copy *of it*), so a
+        hopeless message backs off even while other messages' copies are
+        published; and per route (holds of any message since the last copy
+        published), so that when every copy fails the holds grow across messages.
         """
-        settings = self.settings
-        delay = settings.fallback_delay * 2 ** min(self._unpublishable, 30)
+        key = _backoff_key(delivery)
+        held = self._held
+        count = held.pop(key, 0)
+        held[key] = count + 1
+        if len(held) > HELD_MESSAGES:
+            held.popitem(last=False)
+        streak = self._unpublishable
         self._unpublishable += 1
+        settings = self.settings
+        delay = settings.fallback_delay * 2 ** min(max(count, streak), 30)
         return float(min(delay, settings.fallback_max_delay))
 
-    def copy_published(self) -> None:
+    def copy_published(self, delivery: Delivery) -> None:
+        """A copy of ``delivery`` was published: its holds, and the route's streak, end."""
         self._unpublishable = 0
+        if self._held:
+            self._held.pop(_backoff_key(delivery), None)
+
+
+def _backoff_key(delivery: Delivery) -> str | int:
+    """What identifies a message across its redeliveries: its id, else its body."""
+    return delivery.message_id or hash(delivery.body)
 
 
 class ChannelKeeper:

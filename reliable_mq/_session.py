@@ -25,20 +25,27 @@ from aiormq import Channel
 from ._copies import Copy, build_copy
 from ._dedup_gate import Claim
 from ._frames import Frames, Shared
-from ._settle import Cause, CopyFault, Decision, Outcome, Rung, copy_fault, decide, next_rung
+from ._settle import (
+    UNPUBLISHABLE_COPY,
+    Cause,
+    CopyFault,
+    Decision,
+    Outcome,
+    Rung,
+    copy_fault,
+    decide,
+    next_rung,
+)
 from .delivery import Delivery, Settle
 from .errors import ClosedError
 from .handlers import Reject, Retry
-from .headers import DEAD_LETTER_HEADERS, LAST_ERROR_HEADER, NO_CONTENT_TYPE_HEADER
+from .headers import ERROR_MESSAGE_HEADER
 from .log import get_logger
 
 if TYPE_CHECKING:
     from ._route import Route
 
 __all__ = (
-    "DEAD_LETTER_HEADERS",
-    "LAST_ERROR_HEADER",
-    "NO_CONTENT_TYPE_HEADER",
     "Session",
     "Shared",
     "Ticket",
@@ -314,7 +321,7 @@ class Session(Frames):
                 fault, error = await self._publish(delivery, copy)
             if fault is None:
                 assert copy is not None
-                route.copy_published()
+                route.copy_published(delivery)
                 self._copied(delivery, decision, copy)
                 await self.ack_now(ticket.tag)
                 return purpose
@@ -342,7 +349,7 @@ class Session(Frames):
         if rung is Rung.BROKER_DEAD_LETTER:
             self.shared.dead_lettered += 1
             route.metrics.dead_lettered.inc()
-            route.metrics.dead_letter_reason(str(decision.reason or "unpublishable_copy"))
+            route.metrics.dead_letter_reason(decision.reason or UNPUBLISHABLE_COPY)
             await self.nack(ticket.tag, requeue=False)
             return Settle.DEAD_LETTER
         await self._requeue_later(ticket)
@@ -396,7 +403,7 @@ class Session(Frames):
             log.warning(
                 "delivery_dead_lettered",
                 reason=reason,
-                error=copy.headers.get(DEAD_LETTER_HEADERS[2]),
+                error=copy.headers.get(ERROR_MESSAGE_HEADER),
                 dlq=copy.queue,
                 trimmed=copy.trimmed,
             )
@@ -407,7 +414,7 @@ class Session(Frames):
 
     async def _requeue_later(self, ticket: Ticket) -> None:
         """The last rung: hold the delivery a bounded, growing delay, then requeue it."""
-        delay = 0.0 if self.shared.stopping else self.route.next_requeue_delay()
+        delay = 0.0 if self.shared.stopping else self.route.next_requeue_delay(ticket.delivery)
         delivery_log(ticket.delivery).error(
             "delivery_requeued_later",
             delay=delay,

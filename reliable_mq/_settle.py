@@ -39,6 +39,7 @@ from .handlers import AckPolicy
 from .headers import DeadLetterReason
 
 __all__ = (
+    "UNPUBLISHABLE_COPY",
     "Cause",
     "CopyFault",
     "Decision",
@@ -193,6 +194,12 @@ def decide(policy: AckPolicy, outcome: Outcome, attempt: int, max_attempts: int)
 
 
 # -- the republish ladder ----------------------------------------------------------
+
+
+UNPUBLISHABLE_COPY = "unpublishable_copy"
+"""The ``reason`` label of ``dead_lettered_messages_total`` for a retry the broker
+dead-lettered (`Rung.BROKER_DEAD_LETTER`) because no copy of it could be published:
+no [`DeadLetterReason`][reliable_mq.headers.DeadLetterReason] applies."""
 
 
 class Rung(enum.StrEnum):

@@ -11,6 +11,8 @@ that the client can check is refused here, before anything is sent, with an
 * short strings (exchange, routing key, message id, content type...) at most
   255 bytes of UTF-8; header names at most 128 bytes (the AMQP limit pamqp
   silently truncates to);
+* every string (those, header names, string header values) encodable as
+  UTF-8: a lone surrogate such as ``"\\ud800"`` is refused;
 * header values of AMQP field types only, numbers finite and in range, nesting
   at most 32 levels;
 * ``expiration`` a finite number of seconds from 0 to 2**32 - 1 ms, the
@@ -99,10 +101,19 @@ def shortstr(value: Any, field: str, *, limit: int = 255) -> bytes:
     """
     if not isinstance(value, str):
         raise InvalidMessage(f"{field} must be a str, not {type(value).__name__}")
-    data = value.encode()
+    try:
+        data = value.encode()
+    except UnicodeEncodeError as exc:  # free on the good path: no check before
+        raise InvalidMessage(f"{field} {_not_utf8(exc)}") from None
     if len(data) > limit:
         raise InvalidMessage(f"{field} is {len(data)} bytes of UTF-8; the limit is {limit}")
     return bytes((len(data),)) + data
+
+
+def _not_utf8(exc: UnicodeEncodeError) -> str:
+    """Why a str is not UTF-8 text, printable as is (the culprit escaped)."""
+    culprit = exc.object[exc.start : exc.end].encode("unicode_escape").decode("ascii")
+    return f"is not encodable as UTF-8: a lone surrogate {culprit} at index {exc.start}"
 
 
 def check_timeout(value: Any, field: str = "timeout") -> float:
@@ -241,7 +252,10 @@ def _table(table: Mapping[Any, Any], path: str, depth: int) -> bytes:
 def _value(value: Any, path: str, depth: int) -> bytes:
     kind = type(value)
     if kind is str:
-        data: bytes = value.encode()
+        try:
+            data: bytes = value.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidMessage(f"{path} {_not_utf8(exc)}") from None
         return b"S" + _U32(len(data)) + data
     if value is None:
         return b"V"
@@ -254,7 +268,10 @@ def _value(value: Any, path: str, depth: int) -> bytes:
             raise InvalidMessage(f"{path}: {value!r} is not a finite number")
         return b"d" + _F64(value)
     if isinstance(value, str):
-        data = value.encode()
+        try:
+            data = value.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidMessage(f"{path} {_not_utf8(exc)}") from None
         return b"S" + _U32(len(data)) + data
     if isinstance(value, (bytes, bytearray, memoryview)):
         data = bytes(value)

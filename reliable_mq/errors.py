@@ -182,7 +182,11 @@ class PublishRefused(PublishError):
 
 
 class ExchangeNotFound(PublishRefused):
-    """The target exchange does not exist (404); no attempt of the message was routed."""
+    """The target exchange does not exist (404); no attempt of the message was routed.
+
+    A missing exchange is remembered for one second: publishes to it within that
+    second fail at once, even if it was declared meanwhile.
+    """
 
 
 class MessageTooLarge(PublishError):

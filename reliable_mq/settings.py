@@ -300,7 +300,8 @@ class ConsumerSettings(_Settings):
         le=60,
         description="seconds a delivery is held before it is requeued when no copy of it "
         "(retry, DLQ, deferral) could be published and the broker cannot dead-letter it; "
-        "doubles for each such delivery in a row",
+        "doubles with each hold of that message in a row, and of any message since a copy "
+        "was last published",
     )
     fallback_max_delay: float = Field(
         default=30.0, gt=0, le=3600, description="the cap of that doubling hold, seconds"

@@ -15,9 +15,11 @@ from typing import Any
 
 import aio_pika
 import pytest
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, field_validator
 
-from reliable_mq import PublisherSettings
+from reliable_mq import PublisherSettings, ReliablePublisher, _wire
+from reliable_mq._settle import UNPUBLISHABLE_COPY
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.dedup import ClaimResult, MemoryDedupStore
 from reliable_mq.delivery import Delivery
@@ -27,6 +29,7 @@ from reliable_mq.headers import (
     DROPPED_HEADERS_HEADER,
     ERROR_MESSAGE_HEADER,
     ERROR_TYPE_HEADER,
+    LAST_ERROR_HEADER,
     REASON_HEADER,
 )
 from tests.test_consumer_broker import URL, Env, _env, drain, wait_until  # noqa: F401 (_env: fixture)
@@ -293,6 +296,8 @@ class TestUnpublishableCopies:
                 stats = consumer.stats()
         assert (stats.retried, stats.fallbacks) == (0, 1)
         assert _fallbacks(env, "broker_dead_letter") == 1
+        labels = {"queue": env.queue, "reason": UNPUBLISHABLE_COPY}
+        assert env.registry.get_sample_value("reliable_mq_dead_lettered_messages_total", labels)
         dead = await drain(consumer.topology(env.queue).dead_letter_queue)
         assert [m.message_id for m in dead] == ["bad"]
         death = dead[0].headers["x-death"][0]
@@ -331,3 +336,112 @@ class TestUnpublishableCopies:
         dead = _dead(await drain(dlq))
         assert dead["poison"][REASON_HEADER] == "rejected"
         assert await drain(env.queue) == []
+
+    async def test_lone_surrogates_in_our_text_headers_are_escaped(self, env: Env) -> None:
+        """A handler's error text or Reject reason with a lone surrogate goes into our
+        headers escaped: the retry and the DLQ copy are published as usual, no fallback."""
+        consumer = env.consumer(**FAST)
+        seen: list[dict[str, Any]] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            seen.append(dict(delivery.headers))
+            if delivery.attempt == 1:
+                raise ValueError("bad \ud800 input")
+            raise Reject("reason \udfff")
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"x"], ids=["odd"])
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 15, "dead-lettered")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert len(seen) == 2
+        assert seen[1][LAST_ERROR_HEADER] == "ValueError: bad \\ud800 input"
+        assert (stats.retried, stats.dead_lettered, stats.fallbacks) == (1, 1, 0)
+        dead = _dead(await drain(consumer.topology(env.queue).dead_letter_queue))
+        assert dead["odd"][REASON_HEADER] == "rejected"
+        assert dead["odd"][ERROR_MESSAGE_HEADER] == "reason \\udfff"
+        assert await drain(env.queue) == []
+
+    async def test_header_name_we_would_not_write_is_trimmed(
+        self, env: Env, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A header name of 200 bytes is valid AMQP (a short string) but over the 128 bytes
+        our encoder writes: the full retry copy is refused locally, the trimmed one goes."""
+        long_name = "n" * 200
+        consumer = env.consumer(**FAST)
+        seen: list[dict[str, Any]] = []
+        published = asyncio.Event()
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            seen.append(dict(delivery.headers))
+            if delivery.attempt == 1:
+                await published.wait()  # the copy is made with our own encoder's limit
+                raise ValueError("once")
+
+        env.track(consumer)
+        async with consumer:
+            with monkeypatch.context() as patch:  # another client's encoder, for this publish
+                patch.setattr(_wire, "_MAX_KEY", 255)
+                async with ReliablePublisher(URL, registry=CollectorRegistry()) as publisher:
+                    await publisher.publish(
+                        b"x", routing_key=env.queue, message_id="long", headers={long_name: 1}
+                    )
+            published.set()
+            await wait_until(lambda: len(seen) == 2, 15, "the retried attempt")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert seen[0][long_name] == 1
+        assert long_name not in seen[1] and seen[1][DROPPED_HEADERS_HEADER] == long_name
+        assert (stats.retried, stats.acked, stats.fallbacks) == (1, 1, 1)
+        assert _fallbacks(env, "trimmed_copy") == 1
+        assert await drain(env.queue) == []
+
+    async def test_hopeless_message_backs_off_while_other_copies_go_through(self, env: Env) -> None:
+        """One message no copy of which can be published (the DLQ refuses it), next to a
+        steady stream whose retry copies are published: its holds still double (its own
+        count, not reset by the others' copies), so its handler runs a few times, not
+        every fallback_delay. On a classic queue its attempt number stays 1."""
+        consumer = env.consumer(
+            prefetch=20,
+            retry_delays=(0.05,),
+            max_attempts=3,
+            fallback_delay=0.2,
+            fallback_max_delay=5.0,
+            publisher_settings=PublisherSettings(max_attempts=2),
+        )
+        poison: list[tuple[int, bool]] = []
+        good: list[str] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            if delivery.message_id == "poison":
+                poison.append((delivery.attempt, delivery.redelivered))
+                raise Reject("poison")
+            good.append(delivery.message_id)
+            if delivery.attempt == 1:
+                raise ValueError("once")  # its retry copy is published
+
+        env.track(consumer)
+        dlq = consumer.topology(env.queue).dead_letter_queue
+        async with Policy(f"^{dlq}$", REFUSE_ALL) as refusing, consumer:
+            await env.publish([b"p"], ids=["poison"])
+            async with ReliablePublisher(URL, registry=CollectorRegistry()) as publisher:
+                for index in range(70):  # 3.5 s of traffic whose copies go through
+                    await publisher.publish(b"g", routing_key=env.queue, message_id=f"g{index}")
+                    await asyncio.sleep(0.05)
+            runs = len(poison)
+            await refusing.clear()
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 20, "in the DLQ")
+            await wait_until(lambda: consumer.stats().retried >= 70, 10, "the good retries")
+            await _settled(consumer)
+        # Holds of 0.2, 0.4, 0.8, 1.6 s: about 5 runs in 3.5 s. A hold reset by every
+        # other copy published would have run it every ~0.2 s (about 15 times).
+        assert 3 <= runs <= 7, poison
+        assert {attempt for attempt, _ in poison} == {1}
+        assert all(redelivered for _, redelivered in poison[1:])
+        assert len(set(good)) == 70
+        dead = _dead(await drain(dlq))
+        assert dead["poison"][REASON_HEADER] == "rejected"

@@ -245,7 +245,9 @@ class TestBrokerOutcomes:
     async def test_missing_exchange_fails_fast_and_publisher_recovers(
         self, broker_url: str, queue: str
     ) -> None:
-        """A 404 on publish closes the channel; the caller gets ExchangeNotFound, others go on."""
+        """A missing exchange is found by a passive declare on a probe channel, which takes
+        the 404: the caller gets ExchangeNotFound, and the publish channel, never closed,
+        carries the others once each."""
         async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
             good = [publisher.publish(b"g", routing_key=queue) for _ in range(50)]
             bad = publisher.publish(b"b", routing_key="x", exchange=f"missing-{uuid.uuid4().hex}")
@@ -253,7 +255,9 @@ class TestBrokerOutcomes:
             assert isinstance(outcomes[-1], ExchangeNotFound)
             assert all(not isinstance(o, BaseException) for o in outcomes[:-1])
             assert (await publisher.publish(b"after", routing_key=queue)).message_id
-        assert len(await drain_queue(broker_url, queue)) >= 51
+            assert publisher.stats().channel_generation == 1
+            assert publisher.stats().republished == 0
+        assert len(await drain_queue(broker_url, queue)) == 51
 
     async def test_broker_nack_is_republished_until_there_is_room(
         self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, registry: CollectorRegistry

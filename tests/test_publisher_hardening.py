@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 import uuid
 from typing import Any
@@ -29,6 +30,7 @@ from reliable_mq import (
     PublishResult,
     PublishUnavailable,
     ReliablePublisher,
+    _exchanges,
 )
 from tests.conftest import wait_until
 from tests.support.amqp import drain_queue
@@ -60,6 +62,11 @@ class TestRefusedBeforeSending:
             ({"priority": 300}, "priority"),
             ({"persistent": "yes"}, "persistent must be a bool"),
             ({"nonsense": 1}, "unknown message option"),
+            ({"routing_key": "q\ud800"}, "routing_key is not encodable as UTF-8"),
+            ({"message_id": "m\udfff"}, "message_id is not encodable as UTF-8"),
+            ({"correlation_id": "\ud800"}, "correlation_id is not encodable"),
+            ({"headers": {"k\ud800": 1}}, "headers name .* not encodable"),
+            ({"headers": {"k": ["ok", "v\udc00"]}}, r"headers\['k'\]\[1\] is not encodable"),
         ],
     )
     async def test_invalid_options_raise_and_send_nothing(
@@ -173,6 +180,44 @@ class TestMissingExchange:
         assert len(ids) == len(set(ids)) == len(messages), figure
         assert together <= 2.5 * alone + 1.0, figure  # target 1.5x: bench/collateral.py
 
+    async def test_missing_exchange_is_probed_once_per_ttl(
+        self,
+        broker_url: str,
+        amqp: aio_pika.abc.AbstractChannel,
+        queue: str,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """Concurrent publishes to a missing exchange share one probe; later ones within
+        MISSING_TTL fail locally (no probe channel each); an exchange declared meanwhile
+        is found once the TTL has passed."""
+        monkeypatch.setattr(_exchanges, "MISSING_TTL", 0.5)
+        missing = f"missing-{uuid.uuid4().hex[:8]}"
+        async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
+            probes = publisher._engine.exchanges
+            outcomes = await asyncio.gather(
+                *(publisher.publish(b"b", routing_key="", exchange=missing) for _ in range(50)),
+                return_exceptions=True,
+            )
+            assert all(isinstance(o, ExchangeNotFound) for o in outcomes), outcomes
+            assert probes.channels_opened == 1  # one probe for all 50
+            started = time.monotonic()
+            for _ in range(20):
+                with pytest.raises(ExchangeNotFound):
+                    await publisher.publish(b"b", routing_key="", exchange=missing)
+            assert probes.channels_opened == 1, "a publish within the TTL probed again"
+            assert time.monotonic() - started < 0.5
+            declared = await amqp.declare_exchange(missing, aio_pika.ExchangeType.FANOUT)
+            try:
+                await (await amqp.get_queue(queue)).bind(declared)
+                await asyncio.sleep(0.6)  # the cached 404 has expired
+                result = await publisher.publish(b"now", routing_key="", exchange=missing)
+                assert result.attempts == 1
+                assert probes.channels_opened == 2
+                assert _generations(publisher) == (1, 1)
+            finally:
+                await amqp.exchange_delete(missing)
+        assert [m.body for m in await drain_queue(broker_url, queue)] == [b"now"]
+
     async def test_exchange_deleted_mid_stream(
         self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, queue: str
     ) -> None:
@@ -210,6 +255,74 @@ class TestMissingExchange:
         confirmed = {k for k, o in outcomes.items() if isinstance(o, PublishResult)}
         assert confirmed <= delivered
 
+    async def test_deleting_one_exchange_spares_the_other(
+        self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, queue: str
+    ) -> None:
+        """Two exchanges streamed to at once; A is deleted mid-stream. The 404 closes the
+        channel both share: every B message is still confirmed (re-sent, never reported
+        ExchangeNotFound or outcome unknown) and in B's queue; A's end confirmed,
+        ExchangeNotFound or PublishOutcomeUnknown; the connection is never closed."""
+        tag = uuid.uuid4().hex[:8]
+        exchange_a, exchange_b = f"gone-{tag}", f"kept-{tag}"
+        queue_a = (await amqp.declare_queue(f"test-gone-{tag}", durable=True)).name
+        try:
+            for exchange, target in ((exchange_a, queue_a), (exchange_b, queue)):
+                declared = await amqp.declare_exchange(exchange, aio_pika.ExchangeType.FANOUT)
+                await (await amqp.get_queue(target)).bind(declared)
+            registry = CollectorRegistry()
+            outcomes: dict[str, dict[str, PublishResult | BaseException]] = {
+                exchange_a: {},
+                exchange_b: {},
+            }
+            async with ReliablePublisher(
+                conn(broker_url), settings=fast_settings(max_in_flight=400), registry=registry
+            ) as publisher:
+
+                async def one(exchange: str, index: int) -> None:
+                    message_id = f"{exchange}-{index}"
+                    try:
+                        outcome: PublishResult | BaseException = await publisher.publish(
+                            b"x", routing_key="", exchange=exchange, message_id=message_id
+                        )
+                    except PublishError as exc:
+                        outcome = exc
+                    outcomes[exchange][message_id] = outcome
+
+                # Both exchanges probed first: then the stream interleaves them on the channel.
+                await asyncio.gather(one(exchange_a, -1), one(exchange_b, -1))
+                tasks = [
+                    asyncio.ensure_future(one(exchange, index))
+                    for index in range(3000)
+                    for exchange in (exchange_a, exchange_b)
+                ]
+                await wait_until(lambda: publisher.stats().confirmed >= 600, timeout=30)
+                await amqp.exchange_delete(exchange_a)
+                await asyncio.gather(*tasks)
+                connections, channels = _generations(publisher)
+            nearby = registry.get_sample_value(
+                "reliable_mq_republished_messages_total",
+                {"exchange": exchange_b, "reason": "refused_nearby"},
+            )
+            in_b = [m.message_id for m in await drain_queue(broker_url, queue)]
+            in_a = {m.message_id for m in await drain_queue(broker_url, queue_a)}
+        finally:
+            await amqp.exchange_delete(exchange_b)
+            await amqp.exchange_delete(exchange_a)
+            await amqp.queue_delete(queue_a)
+        kinds_b = {type(o).__name__ for o in outcomes[exchange_b].values()}
+        assert kinds_b == {"PublishResult"}, kinds_b
+        assert set(in_b) == set(outcomes[exchange_b])
+        kinds_a = {type(o).__name__ for o in outcomes[exchange_a].values()}
+        assert kinds_a <= {"PublishResult", "ExchangeNotFound", "PublishOutcomeUnknown"}, kinds_a
+        not_found = {k for k, o in outcomes[exchange_a].items() if isinstance(o, ExchangeNotFound)}
+        assert not_found, "the deletion came too late to test anything"
+        assert not (not_found & in_a), "a delivered message was reported ExchangeNotFound"
+        confirmed_a = {k for k, o in outcomes[exchange_a].items() if isinstance(o, PublishResult)}
+        assert confirmed_a <= in_a
+        assert connections == 1, "the 404 must close the channel only, never the connection"
+        assert channels >= 2  # the 404 closed the shared channel: B's were re-sent on a new one
+        assert nearby, "no B message was in flight when A's 404 closed the channel"
+
 
 class TestBatches:
     async def test_publish_many_reports_each_failure_by_index(
@@ -237,6 +350,40 @@ class TestBatches:
             quiet = await publisher.publish_many(messages[:5], raise_on_error=False)
             assert quiet.ok and quiet.confirmed == 5
         assert len(await drain_queue(broker_url, queue)) == 1001
+
+    async def test_lone_surrogates_fail_alone(self, broker_url: str, queue: str) -> None:
+        """Messages with a lone surrogate anywhere fail alone with InvalidMessage naming the
+        field (InvalidBody for the body); the good ones around them are confirmed."""
+        bad: dict[int, tuple[dict[str, Any], str]] = {
+            3: ({"routing_key": "q\ud800"}, "routing_key"),
+            7: ({"message_id": "id-\udfff"}, "message_id"),
+            11: ({"headers": {"\ud800": 1}}, "headers name"),
+            13: ({"headers": {"k": "v\ud800"}}, r"headers\['k'\]"),
+            17: ({"app_id": "\udc80"}, "app_id"),
+            19: ({"body": "text \ud800"}, "body text"),
+        }
+        messages = []
+        for index in range(500):
+            options, _ = bad.get(index, ({}, ""))
+            fields: dict[str, Any] = {"body": f"ok {index}", "routing_key": queue, **options}
+            messages.append(Message(**fields))
+        async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
+            result = await publisher.publish_many(messages, raise_on_error=False)
+            assert (result.taken, result.confirmed) == (500, 500 - len(bad))
+            assert [f.index for f in result.failures] == sorted(bad)
+            for failure in result.failures:
+                assert isinstance(failure.error, InvalidMessage), failure.error
+                assert re.match(bad[failure.index][1], str(failure.error)), failure.error
+            for options, field in bad.values():
+                fields = {"body": b"x", "routing_key": queue, **options}
+                body = fields.pop("body")
+                with pytest.raises(InvalidMessage, match=field):
+                    await publisher.publish(body, **fields)
+            assert _generations(publisher) == (1, 1)
+            await publisher.publish(b"after", routing_key=queue)
+        bodies = [m.body for m in await drain_queue(broker_url, queue)]
+        expected = [f"ok {i}".encode() for i in range(500) if i not in bad]
+        assert bodies == [*expected, b"after"]
 
     async def test_max_failures_stops_reading(self, broker_url: str, queue: str) -> None:
         """max_failures stops taking messages from the input; what was taken finishes."""

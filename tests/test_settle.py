@@ -24,6 +24,7 @@ from reliable_mq._settle import (
     decide,
     next_rung,
 )
+from reliable_mq._wire import encode_headers
 from reliable_mq.delivery import Delivery, Settle
 from reliable_mq.errors import (
     ClosedError,
@@ -341,6 +342,36 @@ class TestCopies:
         assert copy.headers[ERROR_TYPE_HEADER] == "max_attempts"
         assert copy.headers[ERROR_MESSAGE_HEADER] == "delivered 9 times, max_attempts=5"
 
+    def test_text_headers_are_always_utf8(self) -> None:
+        """What a handler raised or said, lone surrogates included, is written escaped:
+        the publisher would refuse the copy otherwise (and the ladder would skip a retry)."""
+        retry = build_copy(
+            _delivery({}),
+            TOPOLOGY,
+            1.0,
+            Decision(Settle.RETRY),
+            Cause(Outcome.RAISED, ValueError("bad \udfff")),
+        )
+        assert retry.headers[LAST_ERROR_HEADER] == "ValueError: bad \\udfff"
+        dead = build_copy(
+            _delivery({}),
+            TOPOLOGY,
+            1.0,
+            Decision(Settle.DEAD_LETTER, DeadLetterReason.HANDLER_ERROR),
+            Cause(Outcome.RAISED, ValueError("\ud800" + "x" * 2000)),
+        )
+        assert dead.headers[ERROR_MESSAGE_HEADER] == "\\ud800" + "x" * 996 + "..."
+        reject = build_copy(
+            _delivery({}),
+            TOPOLOGY,
+            1.0,
+            Decision(Settle.DEAD_LETTER, DeadLetterReason.REJECTED),
+            Cause(Outcome.REJECT_SIGNAL, Reject("no \ud800"), "no \ud800"),
+        )
+        assert reject.headers[ERROR_MESSAGE_HEADER] == "no \\ud800"
+        for copy in (retry, dead, reject):
+            encode_headers(copy.headers)  # encodable as they are
+
     def test_deferral_keeps_the_attempt(self) -> None:
         """A deferred copy goes round the first retry queue with the same attempt."""
         copy = build_copy(_delivery({}), TOPOLOGY, 1.0, Decision(Settle.DEFER), Cause(O.BUSY))
@@ -437,7 +468,7 @@ class TestApply:
         """If carrying out the decision raises, the delivery is requeued (after the hold)."""
         session, channel = _session()
         session.shared.stopping = True  # no hold
-        session.route.next_requeue_delay = lambda: 0.0
+        session.route.next_requeue_delay = lambda delivery: 0.0
         ticket = _ticket(session, 1)
 
         async def broken(*args: Any) -> Settle:
@@ -451,11 +482,89 @@ class TestApply:
     async def test_retry_without_publisher_requeues_later(self) -> None:
         """No publisher (closing): the copy is UNAVAILABLE, so requeue after the hold."""
         session, channel = _session()
-        session.route.next_requeue_delay = lambda: 0.01
-        session.route.copy_published = lambda: None
+        session.route.next_requeue_delay = lambda delivery: 0.01
+        session.route.copy_published = lambda delivery: None
         ticket = _ticket(session, 1)
         assert await ticket.settle(Cause(Outcome.RAISED, ValueError("x")))
         await asyncio.sleep(0)
         assert channel.frames == [("nack_requeue", 1)]
         assert ticket.outcome is Settle.REQUEUE
         assert session.shared.fallbacks == 1
+
+
+def _route(**settings: Any) -> Any:
+    from reliable_mq._route import Route
+    from reliable_mq.consumer import ReliableConsumer
+    from reliable_mq.metrics import Metrics
+    from reliable_mq.settings import ConsumerSettings
+
+    consumer = ReliableConsumer("amqp://guest:guest@127.0.0.1/", registry=CollectorRegistry())
+
+    @consumer.handler("q")
+    async def handler(body: bytes) -> None: ...
+
+    return Route(
+        consumer.handlers[0],
+        ConsumerSettings(**settings),
+        Metrics.on(CollectorRegistry()).for_queue("q"),
+        "test",
+    )
+
+
+def _held(message_id: str, body: bytes = b"x") -> Delivery:
+    return Delivery(
+        body=body,
+        message_id=message_id,
+        headers={},
+        redelivered=True,
+        attempt=1,
+        queue="q",
+        exchange="",
+        routing_key="q",
+        content_type=None,
+    )
+
+
+class TestRequeueLaterHolds:
+    def test_a_hopeless_message_backs_off_while_others_copy_fine(self) -> None:
+        """Other messages' published copies do not reset one message's own doubling."""
+        route = _route(fallback_delay=1.0, fallback_max_delay=30.0)
+        poison, other = _held("poison"), _held("other")
+        delays = []
+        for _ in range(6):
+            delays.append(route.next_requeue_delay(poison))
+            route.copy_published(other)  # the rest of the traffic is fine
+        assert delays == [1, 2, 4, 8, 16, 30]
+        route.copy_published(poison)  # a copy of it went through at last: it starts over
+        assert route.next_requeue_delay(poison) == 1
+
+    def test_every_copy_failing_grows_across_messages(self) -> None:
+        """With no copy published at all, new messages' holds grow as well (the route's
+        streak); one published copy ends the streak."""
+        route = _route(fallback_delay=0.5, fallback_max_delay=4.0)
+        delays = [route.next_requeue_delay(_held(f"m{i}")) for i in range(5)]
+        assert delays == [0.5, 1, 2, 4, 4]
+        route.copy_published(_held("m9"))
+        assert route.next_requeue_delay(_held("m10")) == 0.5
+        assert route.next_requeue_delay(_held("m0")) == 1  # its own second hold
+
+    def test_messages_without_id_are_told_apart_by_body(self) -> None:
+        """No message id: the body identifies a message across its redeliveries."""
+        route = _route(fallback_delay=1.0)
+        first, second = _held("", b"a"), _held("", b"b")
+        assert [route.next_requeue_delay(first) for _ in range(3)] == [1, 2, 4]
+        route.copy_published(_held("x"))
+        assert route.next_requeue_delay(second) == 1
+        assert route.next_requeue_delay(_held("", b"a")) == 8
+
+    def test_the_memory_is_bounded(self) -> None:
+        """Only the most recently held HELD_MESSAGES are remembered."""
+        from reliable_mq._route import HELD_MESSAGES
+
+        route = _route(fallback_delay=1.0)
+        route.next_requeue_delay(_held("first"))
+        for index in range(HELD_MESSAGES):
+            route.next_requeue_delay(_held(f"m{index}"))
+            route.copy_published(_held("other"))
+        assert len(route._held) == HELD_MESSAGES
+        assert route.next_requeue_delay(_held("first")) == 1  # forgotten: starts over

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from pamqp.body import ContentBody
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
+from pydantic import BaseModel
 
+from reliable_mq._codec import encode_body
 from reliable_mq._confirms import ConfirmTracker
 from reliable_mq._wire import (
     MAX_EXPIRATION_MS,
@@ -25,7 +27,16 @@ from reliable_mq._wire import (
     encode_publish,
     publish_frames,
 )
-from reliable_mq.errors import InvalidMessage
+from reliable_mq.errors import InvalidBody, InvalidMessage
+
+
+class _Text(str):
+    """A str subclass: header values take the slower isinstance path."""
+
+
+class _Model(BaseModel):
+    s: str
+
 
 names = st.text(min_size=1, max_size=30).filter(lambda s: len(s.encode()) <= 128)
 leaves = (
@@ -155,12 +166,42 @@ class TestRefusedBeforeSending:
             ({"obj": object()}, "object is not an AMQP header value"),
             ({"dec": Decimal("1e999999")}, "AMQP decimal"),
             ({"old": dt.datetime(1969, 1, 1)}, "before 1970"),
+            ({"k\ud800": 1}, r"headers name 'k\\ud800' .*lone surrogate \\ud800 at index 1"),
+            ({"v": "ok\udfff"}, r"headers\['v'\] .*lone surrogate \\udfff at index 2"),
+            ({"n": {"l": ["x", "\udc80"]}}, r"headers\['n'\]\['l'\]\[1\] .*lone surrogate"),
+            ({"sub": _Text("\ud800")}, r"headers\['sub'\] .*lone surrogate"),
         ],
     )
     def test_headers(self, headers: dict[Any, Any], match: str) -> None:
         """Unencodable header names and values are named, and nothing is truncated."""
         with pytest.raises(InvalidMessage, match=match):
             encode_headers(headers)
+
+    @pytest.mark.parametrize(
+        "field",
+        ["message_id", "content_type", "correlation_id", "reply_to", "message_type", "app_id"],
+    )
+    def test_lone_surrogates_in_short_strings(self, field: str) -> None:
+        """A lone surrogate cannot be UTF-8: InvalidMessage names the field (the culprit
+        escaped, so the error prints), never a bare UnicodeEncodeError."""
+        props: dict[str, Any] = {"content_type": None, "message_id": "m", field: "ab\ud800"}
+        with pytest.raises(InvalidMessage, match=rf"^{field} is not encodable") as caught:
+            encode_properties(0, delivery_mode=2, **props)
+        assert "\\ud800 at index 2" in str(caught.value)
+        str(caught.value).encode()  # the message itself is valid UTF-8
+        with pytest.raises(InvalidMessage, match=r"^routing_key is not encodable"):
+            encode_publish("", "rk\ud800", True)
+        with pytest.raises(InvalidMessage, match=r"^exchange is not encodable"):
+            encode_publish("\udfff", "rk", True)
+
+    @pytest.mark.parametrize(
+        "body", ["text\ud800", {"k": ["x", "\ud800"]}, _Model(s="\ud800"), "\udfff" * 3]
+    )
+    def test_lone_surrogates_in_bodies(self, body: Any) -> None:
+        """A str, JSON or pydantic body with a lone surrogate is InvalidBody."""
+        with pytest.raises(InvalidBody, match="body") as caught:
+            encode_body(body)
+        str(caught.value).encode()
 
     def test_deep_nesting_is_refused_not_a_recursion_error(self) -> None:
         """A table nested 10,000 deep fails with InvalidMessage, not RecursionError."""

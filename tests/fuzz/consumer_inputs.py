@@ -113,6 +113,7 @@ _REASONS: dict[str, Any] = {
     "control": "\x00\x1b[2J\r\n",
     "long": "r" * 5000,
     "badstr": BadStr(),
+    "surrogate": "lone \udfff surrogate",
 }
 assert set(_DELAYS) == set(RETRY_DELAYS) and set(_REASONS) == set(REJECT_REASONS)
 
@@ -147,6 +148,8 @@ def raise_error(name: str) -> None:
             raise ValueError("x" * 1_000_000)
         case "ControlChars":
             raise ValueError("\x00\x1b[31mred\r\nnext\x07")
+        case "Surrogate":
+            raise ValueError("lone \ud800 surrogate")
         case "StopIteration":
             raise StopIteration  # a coroutine turns it into RuntimeError (PEP 479)
         case "TimeoutError":

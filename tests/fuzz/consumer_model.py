@@ -123,6 +123,7 @@ ERRORS: dict[str, str] = {
     "BadRepr": "BadRepr",  # its __repr__ raises
     "HugeText": "ValueError",  # a 1 MB message
     "ControlChars": "ValueError",  # NUL, ESC, newlines in the message
+    "Surrogate": "ValueError",  # a lone surrogate in the message: not UTF-8, written escaped
     "StopIteration": "RuntimeError",  # PEP 479: a coroutine raising StopIteration
     "TimeoutError": "TimeoutError",  # the handler's own, not the watchdog's
     "ExceptionGroup": "ExceptionGroup",
@@ -132,7 +133,7 @@ ERRORS: dict[str, str] = {
 RETRY_DELAYS = ("", "zero", "negative", "nan", "inf", "huge", "text")
 """``Retry(delay=...)`` variants ("": none); "text" is not a number: ``TypeError``."""
 
-REJECT_REASONS = ("", "int", "none", "control", "long", "badstr")
+REJECT_REASONS = ("", "int", "none", "control", "long", "badstr", "surrogate")
 """``Reject(reason)`` variants ("": a plain string)."""
 
 

@@ -12,8 +12,9 @@ JSON, non-UTF-8, larger than the consumer may republish), hostile headers (an
 carries a script of handler behaviour, one step per attempt: return; raise
 anything (``RecursionError``, ``MemoryError``, ``CancelledError``,
 ``GeneratorExit``, a ``BaseException`` of its own, an exception whose
-``__str__`` raises...); ``Retry``/``Reject``; sleep past the timeout (and
-swallow the cancel); settle by hand twice or in odd orders.
+``__str__`` raises, a lone surrogate in the text...); ``Retry``/``Reject``
+(a reason with a lone surrogate too); sleep past the timeout (and swallow the
+cancel); settle by hand twice or in odd orders.
 
 The inputs (strategies, the hand-built `catalogue` run for each policy, the
 handler that plays the scripts) are in `tests.fuzz.consumer_inputs`. After
@@ -43,7 +44,7 @@ every copy must end where its script says, and nothing may be lost.
 them and prints what they cover.
 
 KeyboardInterrupt and SystemExit end the process: they are tested in
-``tests/test_consumer_exits.py``, in subprocesses.
+``tests/test_consumer_handler_errors.py``, in subprocesses.
 """
 
 from __future__ import annotations
