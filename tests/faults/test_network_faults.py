@@ -109,9 +109,13 @@ class TestNetworkFaults:
             assert await proc.wait() == 0
 
         async def faults(ctx: Faults) -> None:
-            await ctx.repeat(reset, low=0.3, high=0.8, min_times=8)
+            await ctx.repeat(ctx.then_publisher_reopens(reset), low=0.3, high=0.8, min_times=8)
 
         run = await run_stream("tcp reset", fault_node.url, faults=faults, min_messages=5000)
         check(run)
         assert run.scenario.faults >= 8
-        assert run.publisher_stats.republished > 0
+        # Every reset struck a live publisher connection. Whether one also caught a
+        # message unconfirmed is up to timing (the stream is paced, and a confirm
+        # takes well under a millisecond): CI once saw 8 resets and nothing to
+        # republish, so that is reported in the FAULTS line, not asserted.
+        assert run.publisher_stats.channel_generation >= 9
