@@ -10,10 +10,15 @@ headers.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import struct
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import aio_pika
+import pamqp.frame
 import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, field_validator
@@ -445,3 +450,206 @@ class TestUnpublishableCopies:
         assert len(set(good)) == 70
         dead = _dead(await drain(dlq))
         assert dead["poison"][REASON_HEADER] == "rejected"
+
+
+MARK = b"<<BAD>>"
+"""A placeholder the hostile publisher writes, then swaps in the marshalled frame for
+`NOT_UTF8` (the same length: every length field stays right)."""
+NOT_UTF8 = b"\xff\xfeb\xc3(d\x80"
+ESCAPED = "\\xff\\xfeb\\xc3(d\\x80"
+_SECONDS = 1_234_567_890  # a timestamp the hostile publisher swaps for microseconds
+
+
+@contextmanager
+def _hostile(monkeypatch: pytest.MonkeyPatch, swaps: dict[bytes, bytes]) -> Iterator[None]:
+    """aio-pika's frames with bytes swapped as they are marshalled: what another client
+    (any language) can send, since the broker checks neither UTF-8 nor dates."""
+    marshal = pamqp.frame.marshal
+
+    def swapped(frame: Any, channel: int) -> bytes:
+        data = marshal(frame, channel)
+        for old, new in swaps.items():
+            data = data.replace(old, new)
+        return data
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pamqp.frame, "marshal", swapped)
+        yield
+
+
+async def _publish_hostile(
+    env: Env,
+    monkeypatch: pytest.MonkeyPatch,
+    exchange: str = "",
+    swaps: dict[bytes, bytes] | None = None,
+    routing_key: str | None = None,
+    **options: Any,
+) -> None:
+    """One hostile message, then good ones ``good0``..``good2``, in this order."""
+    connection = await aio_pika.connect(URL)
+    async with connection:
+        channel = await connection.channel()
+        target = await channel.get_exchange(exchange) if exchange else channel.default_exchange
+        message = aio_pika.Message(b'{"n": 1}', **options)
+        with _hostile(monkeypatch, swaps or {MARK: NOT_UTF8}):
+            await target.publish(message, routing_key=routing_key or env.queue)
+        for index in range(3):
+            good = aio_pika.Message(b'{"n": 2}', message_id=f"good{index}")
+            await target.publish(good, routing_key=env.queue)
+
+
+def _micros(seconds: int) -> bytes:
+    return struct.pack(">Q", seconds * 1_000_000)
+
+
+_UNDECODABLE = {
+    "message_id": ({"message_id": "<<BAD>>"}, "message_id"),
+    "correlation_id": ({"correlation_id": "<<BAD>>"}, "correlation_id"),
+    "content_type": ({"content_type": "<<BAD>>"}, "content_type"),
+    "header_name": ({"headers": {"<<BAD>>": 1, "ok": "kept"}}, f"header name '{ESCAPED}'"),
+    "nested_header_name": ({"headers": {"t": {"<<BAD>>": [1]}}}, f"header['t'] name '{ESCAPED}'"),
+    "timestamp_in_microseconds": (
+        {"timestamp": datetime.datetime.fromtimestamp(_SECONDS, datetime.UTC)},
+        "timestamp",
+    ),
+}
+
+
+class TestUndecodableDeliveries:
+    """Strings AMQP requires to be UTF-8 that are not, and dates Python cannot hold.
+
+    pamqp cannot decode such a delivery, and aiormq's reader used to close the
+    whole connection on it: the broker redelivered it and the consumer
+    reconnected some 80 times a second, every queue of the connection stopped.
+    Now it is dead-lettered (``invalid_properties``) and nothing else is touched.
+    """
+
+    @pytest.mark.parametrize("case", list(_UNDECODABLE))
+    async def test_dead_lettered_and_the_queue_flows(
+        self, env: Env, monkeypatch: pytest.MonkeyPatch, case: str
+    ) -> None:
+        """The DLQ with the field named and its text escaped; the handler never runs;
+        no channel reopened; the good messages behind it are handled."""
+        options, field = _UNDECODABLE[case]
+        consumer = env.consumer(**FAST)
+        handled: list[str] = []
+
+        @consumer.handler(env.queue)
+        async def handler(body: Picky, delivery: Delivery) -> None:
+            handled.append(delivery.message_id)
+
+        env.track(consumer)
+        swaps = {struct.pack(">Q", _SECONDS): _micros(_SECONDS), MARK: NOT_UTF8}
+        async with consumer:
+            options = {"message_id": "bad", **options}
+            await _publish_hostile(env, monkeypatch, swaps=swaps, **options)
+            await wait_until(lambda: len(handled) == 3, 10, "the good messages behind it")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert handled == ["good0", "good1", "good2"]
+        assert (stats.delivered, stats.acked, stats.dead_lettered) == (4, 3, 1)
+        assert (stats.channel_reopens, stats.requeued, stats.fallbacks) == (0, 0, 0)
+        labels = {"queue": env.queue, "reason": "invalid_properties"}
+        sample = env.registry.get_sample_value("reliable_mq_dead_lettered_messages_total", labels)
+        assert sample == 1
+        [dead] = await drain(consumer.topology(env.queue).dead_letter_queue)
+        headers = dict(dead.headers)
+        assert headers[REASON_HEADER] == "invalid_properties"
+        error_type = "ValueError" if case.startswith("timestamp") else "UnicodeDecodeError"
+        assert headers[ERROR_TYPE_HEADER] == error_type
+        assert str(headers[ERROR_MESSAGE_HEADER]).startswith(f"not decodable: {field}: ")
+        assert dead.body == b'{"n": 1}'
+        if case == "message_id":
+            assert dead.message_id == ESCAPED
+        if case == "header_name":
+            assert headers[ESCAPED] == 1 and headers["ok"] == "kept"
+        if case == "content_type":
+            assert dead.content_type == ESCAPED
+        assert await drain(env.queue) == []
+
+    async def test_routing_key_not_utf8(self, env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A routing key that is not UTF-8 (through a fanout exchange, which takes any)."""
+        consumer = env.consumer(**FAST)
+        handled: list[str] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            handled.append(delivery.message_id)
+
+        env.track(consumer)
+        exchange = f"{env.queue}.fanout"
+        connection = await aio_pika.connect(URL)
+        async with connection:
+            channel = await connection.channel()
+            fanout = await channel.declare_exchange(exchange, "fanout", auto_delete=True)
+            async with consumer:
+                await (await channel.get_queue(env.queue)).bind(fanout)
+                await _publish_hostile(
+                    env, monkeypatch, exchange=exchange, routing_key="<<BAD>>", message_id="bad"
+                )
+                await wait_until(lambda: len(handled) == 3, 10, "the good messages behind it")
+                await _settled(consumer)
+                stats = consumer.stats()
+        assert (stats.dead_lettered, stats.channel_reopens) == (1, 0)
+        [dead] = await drain(consumer.topology(env.queue).dead_letter_queue)
+        assert dead.headers[REASON_HEADER] == "invalid_properties"
+        assert str(dead.headers[ERROR_MESSAGE_HEADER]).startswith("not decodable: routing_key: ")
+        assert dead.headers["x-reliable-mq-original-routing-key"] == ESCAPED
+
+    async def test_header_value_not_utf8_reaches_the_handler_as_bytes(
+        self, env: Env, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A long-string header value is not required to be UTF-8 (pamqp gives bytes): the
+        handler runs; its retry and DLQ copies carry the value as bytes."""
+        consumer = env.consumer(**FAST)
+        seen: list[Any] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            if delivery.message_id == "bad":
+                seen.append(delivery.headers["k"])
+                raise ValueError("fails")
+
+        env.track(consumer)
+        async with consumer:
+            await _publish_hostile(env, monkeypatch, message_id="bad", headers={"k": "<<BAD>>"})
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert seen == [NOT_UTF8, NOT_UTF8]
+        assert (stats.retried, stats.acked, stats.channel_reopens) == (1, 3, 0)
+        [dead] = await drain(consumer.topology(env.queue).dead_letter_queue)
+        assert dead.headers["k"] == NOT_UTF8
+        assert dead.headers[REASON_HEADER] == "max_attempts"
+
+    async def test_deliveries_in_flight_are_not_touched(
+        self, env: Env, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Handlers running when the bad delivery arrives finish and are acked on the
+        same channel: it is not closed, nothing is redelivered or stale."""
+        consumer = env.consumer(prefetch=10, retry_delays=(0.2,), max_attempts=2)
+        release = asyncio.Event()
+        handled: list[tuple[str, bool]] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            if delivery.message_id == "slow":
+                await release.wait()
+            handled.append((delivery.message_id, delivery.redelivered))
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"s"], ids=["slow"])
+            await wait_until(lambda: consumer.stats().in_progress == 1, 10, "the slow handler")
+            await _publish_hostile(env, monkeypatch, message_id="<<BAD>>")
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(lambda: len(handled) == 3, 10, "the good messages")
+            release.set()
+            await wait_until(lambda: len(handled) == 4, 10, "the slow one")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert not any(redelivered for _, redelivered in handled)
+        assert (stats.acked, stats.channel_reopens, stats.stale) == (4, 0, 0)
+        assert [
+            m.message_id for m in await drain(consumer.topology(env.queue).dead_letter_queue)
+        ] == [ESCAPED]
