@@ -13,12 +13,9 @@ import asyncio
 import datetime
 import struct
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import aio_pika
-import pamqp.frame
 import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, field_validator
@@ -37,6 +34,7 @@ from reliable_mq.headers import (
     LAST_ERROR_HEADER,
     REASON_HEADER,
 )
+from tests.support.amqp import ESCAPED, MARK, NOT_UTF8, hostile_frames
 from tests.test_consumer_broker import URL, Env, _env, drain, wait_until  # noqa: F401 (_env: fixture)
 
 pytestmark = pytest.mark.rabbitmq
@@ -452,29 +450,7 @@ class TestUnpublishableCopies:
         assert dead["poison"][REASON_HEADER] == "rejected"
 
 
-MARK = b"<<BAD>>"
-"""A placeholder the hostile publisher writes, then swaps in the marshalled frame for
-`NOT_UTF8` (the same length: every length field stays right)."""
-NOT_UTF8 = b"\xff\xfeb\xc3(d\x80"
-ESCAPED = "\\xff\\xfeb\\xc3(d\\x80"
 _SECONDS = 1_234_567_890  # a timestamp the hostile publisher swaps for microseconds
-
-
-@contextmanager
-def _hostile(monkeypatch: pytest.MonkeyPatch, swaps: dict[bytes, bytes]) -> Iterator[None]:
-    """aio-pika's frames with bytes swapped as they are marshalled: what another client
-    (any language) can send, since the broker checks neither UTF-8 nor dates."""
-    marshal = pamqp.frame.marshal
-
-    def swapped(frame: Any, channel: int) -> bytes:
-        data = marshal(frame, channel)
-        for old, new in swaps.items():
-            data = data.replace(old, new)
-        return data
-
-    with monkeypatch.context() as patch:
-        patch.setattr(pamqp.frame, "marshal", swapped)
-        yield
 
 
 async def _publish_hostile(
@@ -491,7 +467,7 @@ async def _publish_hostile(
         channel = await connection.channel()
         target = await channel.get_exchange(exchange) if exchange else channel.default_exchange
         message = aio_pika.Message(b'{"n": 1}', **options)
-        with _hostile(monkeypatch, swaps or {MARK: NOT_UTF8}):
+        with hostile_frames(monkeypatch, swaps or {MARK: NOT_UTF8}):
             await target.publish(message, routing_key=routing_key or env.queue)
         for index in range(3):
             good = aio_pika.Message(b'{"n": 2}', message_id=f"good{index}")

@@ -1,25 +1,57 @@
-"""Small AMQP helpers for tests: wait for a broker, drain a queue."""
+"""Small AMQP helpers for tests: wait for a broker, drain a queue, send what pamqp cannot."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeVar
 
 import aio_pika
+import pamqp.frame
+import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
 from reliable_mq._sync import run_sync
 
 __all__ = (
+    "ESCAPED",
+    "MARK",
+    "NOT_UTF8",
     "DrainedMessage",
     "drain_queue",
     "drain_queue_sync",
+    "hostile_frames",
     "run_sync",
     "wait_for_amqp",
     "wait_for_amqp_sync",
 )
 
 _T = TypeVar("_T")
+
+MARK = b"<<BAD>>"
+"""A placeholder to write in a string; `hostile_frames` swaps it for `NOT_UTF8`
+(the same length: every length field of the frame stays right)."""
+NOT_UTF8 = b"\xff\xfeb\xc3(d\x80"
+ESCAPED = "\\xff\\xfeb\\xc3(d\\x80"
+"""`NOT_UTF8` as reliable_mq shows it: backslash-escaped."""
+
+
+@contextmanager
+def hostile_frames(monkeypatch: pytest.MonkeyPatch, swaps: dict[bytes, bytes]) -> Iterator[None]:
+    """aio-pika's frames with bytes swapped as they are marshalled: what another client
+    (any language) can send, since the broker checks neither UTF-8 nor dates."""
+    marshal = pamqp.frame.marshal
+
+    def swapped(frame: Any, channel: int) -> bytes:
+        data = marshal(frame, channel)
+        for old, new in swaps.items():
+            data = data.replace(old, new)
+        return data
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pamqp.frame, "marshal", swapped)
+        yield
 
 
 class DrainedMessage(NamedTuple):
