@@ -10,8 +10,6 @@ headers.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import struct
 import uuid
 from typing import Any
 
@@ -34,7 +32,7 @@ from reliable_mq.headers import (
     LAST_ERROR_HEADER,
     REASON_HEADER,
 )
-from tests.support.amqp import ESCAPED, MARK, NOT_UTF8, hostile_frames
+from tests.support.amqp import ESCAPED, MARK, NOT_UTF8, PLACEHOLDER_TIME, hostile_frames
 from tests.test_consumer_broker import URL, Env, _env, drain, wait_until  # noqa: F401 (_env: fixture)
 
 pytestmark = pytest.mark.rabbitmq
@@ -450,14 +448,9 @@ class TestUnpublishableCopies:
         assert dead["poison"][REASON_HEADER] == "rejected"
 
 
-_SECONDS = 1_234_567_890  # a timestamp the hostile publisher swaps for microseconds
-
-
 async def _publish_hostile(
     env: Env,
-    monkeypatch: pytest.MonkeyPatch,
     exchange: str = "",
-    swaps: dict[bytes, bytes] | None = None,
     routing_key: str | None = None,
     **options: Any,
 ) -> None:
@@ -467,25 +460,21 @@ async def _publish_hostile(
         channel = await connection.channel()
         target = await channel.get_exchange(exchange) if exchange else channel.default_exchange
         message = aio_pika.Message(b'{"n": 1}', **options)
-        with hostile_frames(monkeypatch, swaps or {MARK: NOT_UTF8}):
+        with hostile_frames():
             await target.publish(message, routing_key=routing_key or env.queue)
         for index in range(3):
             good = aio_pika.Message(b'{"n": 2}', message_id=f"good{index}")
             await target.publish(good, routing_key=env.queue)
 
 
-def _micros(seconds: int) -> bytes:
-    return struct.pack(">Q", seconds * 1_000_000)
-
-
 _UNDECODABLE = {
-    "message_id": ({"message_id": "<<BAD>>"}, "message_id"),
-    "correlation_id": ({"correlation_id": "<<BAD>>"}, "correlation_id"),
-    "content_type": ({"content_type": "<<BAD>>"}, "content_type"),
-    "header_name": ({"headers": {"<<BAD>>": 1, "ok": "kept"}}, f"header name '{ESCAPED}'"),
-    "nested_header_name": ({"headers": {"t": {"<<BAD>>": [1]}}}, f"header['t'] name '{ESCAPED}'"),
+    "message_id": ({"message_id": MARK}, "message_id"),
+    "correlation_id": ({"correlation_id": MARK}, "correlation_id"),
+    "content_type": ({"content_type": MARK}, "content_type"),
+    "header_name": ({"headers": {MARK: 1, "ok": "kept"}}, f"header name '{ESCAPED}'"),
+    "nested_header_name": ({"headers": {"t": {MARK: [1]}}}, f"header['t'] name '{ESCAPED}'"),
     "timestamp_in_microseconds": (
-        {"timestamp": datetime.datetime.fromtimestamp(_SECONDS, datetime.UTC)},
+        {"timestamp": PLACEHOLDER_TIME},
         "timestamp",
     ),
 }
@@ -501,9 +490,7 @@ class TestUndecodableDeliveries:
     """
 
     @pytest.mark.parametrize("case", list(_UNDECODABLE))
-    async def test_dead_lettered_and_the_queue_flows(
-        self, env: Env, monkeypatch: pytest.MonkeyPatch, case: str
-    ) -> None:
+    async def test_dead_lettered_and_the_queue_flows(self, env: Env, case: str) -> None:
         """The DLQ with the field named and its text escaped; the handler never runs;
         no channel reopened; the good messages behind it are handled."""
         options, field = _UNDECODABLE[case]
@@ -515,10 +502,9 @@ class TestUndecodableDeliveries:
             handled.append(delivery.message_id)
 
         env.track(consumer)
-        swaps = {struct.pack(">Q", _SECONDS): _micros(_SECONDS), MARK: NOT_UTF8}
         async with consumer:
             options = {"message_id": "bad", **options}
-            await _publish_hostile(env, monkeypatch, swaps=swaps, **options)
+            await _publish_hostile(env, **options)
             await wait_until(lambda: len(handled) == 3, 10, "the good messages behind it")
             await _settled(consumer)
             stats = consumer.stats()
@@ -543,7 +529,7 @@ class TestUndecodableDeliveries:
             assert dead.content_type == ESCAPED
         assert await drain(env.queue) == []
 
-    async def test_routing_key_not_utf8(self, env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def test_routing_key_not_utf8(self, env: Env) -> None:
         """A routing key that is not UTF-8 (through a fanout exchange, which takes any)."""
         consumer = env.consumer(**FAST)
         handled: list[str] = []
@@ -560,9 +546,7 @@ class TestUndecodableDeliveries:
             fanout = await channel.declare_exchange(exchange, "fanout", auto_delete=True)
             async with consumer:
                 await (await channel.get_queue(env.queue)).bind(fanout)
-                await _publish_hostile(
-                    env, monkeypatch, exchange=exchange, routing_key="<<BAD>>", message_id="bad"
-                )
+                await _publish_hostile(env, exchange=exchange, routing_key=MARK, message_id="bad")
                 await wait_until(lambda: len(handled) == 3, 10, "the good messages behind it")
                 await _settled(consumer)
                 stats = consumer.stats()
@@ -572,9 +556,7 @@ class TestUndecodableDeliveries:
         assert str(dead.headers[ERROR_MESSAGE_HEADER]).startswith("not decodable: routing_key: ")
         assert dead.headers["x-reliable-mq-original-routing-key"] == ESCAPED
 
-    async def test_header_value_not_utf8_reaches_the_handler_as_bytes(
-        self, env: Env, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
+    async def test_header_value_not_utf8_reaches_the_handler_as_bytes(self, env: Env) -> None:
         """A long-string header value is not required to be UTF-8 (pamqp gives bytes): the
         handler runs; its retry and DLQ copies carry the value as bytes."""
         consumer = env.consumer(**FAST)
@@ -588,7 +570,7 @@ class TestUndecodableDeliveries:
 
         env.track(consumer)
         async with consumer:
-            await _publish_hostile(env, monkeypatch, message_id="bad", headers={"k": "<<BAD>>"})
+            await _publish_hostile(env, message_id="bad", headers={"k": MARK})
             await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
             await _settled(consumer)
             stats = consumer.stats()
@@ -598,9 +580,7 @@ class TestUndecodableDeliveries:
         assert dead.headers["k"] == NOT_UTF8
         assert dead.headers[REASON_HEADER] == "max_attempts"
 
-    async def test_deliveries_in_flight_are_not_touched(
-        self, env: Env, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
+    async def test_deliveries_in_flight_are_not_touched(self, env: Env) -> None:
         """Handlers running when the bad delivery arrives finish and are acked on the
         same channel: it is not closed, nothing is redelivered or stale."""
         consumer = env.consumer(prefetch=10, retry_delays=(0.2,), max_attempts=2)
@@ -617,7 +597,7 @@ class TestUndecodableDeliveries:
         async with consumer:
             await env.publish([b"s"], ids=["slow"])
             await wait_until(lambda: consumer.stats().in_progress == 1, 10, "the slow handler")
-            await _publish_hostile(env, monkeypatch, message_id="<<BAD>>")
+            await _publish_hostile(env, message_id=MARK)
             await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
             await wait_until(lambda: len(handled) == 3, 10, "the good messages")
             release.set()

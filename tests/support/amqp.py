@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeVar
+from unittest import mock
 
 import aio_pika
 import pamqp.frame
-import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
 from reliable_mq._sync import run_sync
@@ -18,6 +20,7 @@ __all__ = (
     "ESCAPED",
     "MARK",
     "NOT_UTF8",
+    "PLACEHOLDER_TIME",
     "DrainedMessage",
     "drain_queue",
     "drain_queue_sync",
@@ -29,28 +32,34 @@ __all__ = (
 
 _T = TypeVar("_T")
 
-MARK = b"<<BAD>>"
+MARK = "<<BAD>>"
 """A placeholder to write in a string; `hostile_frames` swaps it for `NOT_UTF8`
 (the same length: every length field of the frame stays right)."""
 NOT_UTF8 = b"\xff\xfeb\xc3(d\x80"
 ESCAPED = "\\xff\\xfeb\\xc3(d\\x80"
 """`NOT_UTF8` as reliable_mq shows it: backslash-escaped."""
+PLACEHOLDER_TIME = datetime.datetime.fromtimestamp(1_234_567_890, datetime.UTC)
+"""A timestamp `hostile_frames` swaps for the same time in microseconds (year 41,091)."""
+_SWAPS = {
+    MARK.encode(): NOT_UTF8,
+    struct.pack(">Q", 1_234_567_890): struct.pack(">Q", 1_234_567_890 * 1_000_000),
+}
 
 
 @contextmanager
-def hostile_frames(monkeypatch: pytest.MonkeyPatch, swaps: dict[bytes, bytes]) -> Iterator[None]:
-    """aio-pika's frames with bytes swapped as they are marshalled: what another client
-    (any language) can send, since the broker checks neither UTF-8 nor dates."""
+def hostile_frames() -> Iterator[None]:
+    """aio-pika's frames with `MARK` and `PLACEHOLDER_TIME` swapped as they are marshalled:
+    what another client (any language) can send, since the broker checks neither UTF-8
+    nor dates. Every frame of the process is swapped meanwhile: publish only there."""
     marshal = pamqp.frame.marshal
 
     def swapped(frame: Any, channel: int) -> bytes:
         data = marshal(frame, channel)
-        for old, new in swaps.items():
+        for old, new in _SWAPS.items():
             data = data.replace(old, new)
         return data
 
-    with monkeypatch.context() as patch:
-        patch.setattr(pamqp.frame, "marshal", swapped)
+    with mock.patch.object(pamqp.frame, "marshal", swapped):
         yield
 
 
