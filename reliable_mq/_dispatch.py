@@ -39,7 +39,7 @@ from typing import Any
 
 from pamqp.commands import Basic
 
-from ._inbound import OnDelivery
+from ._inbound import OnDelivery, Undecodable
 from ._route import Route
 from ._session import Session, Shared, Ticket, delivery_log
 from ._settle import Cause, Outcome, decide
@@ -92,14 +92,23 @@ class Dispatcher:
             is not Settle.HOLD
         )
 
-        def on_delivery(frame: Basic.Deliver, properties: Basic.Properties, body: bytes) -> None:
+        def on_delivery(
+            frame: Basic.Deliver,
+            properties: Basic.Properties,
+            body: bytes,
+            undecodable: Undecodable | None,
+        ) -> None:
             try:
                 ticket = session.admit(frame.delivery_tag or 0, None)
                 delivery = ticket.delivery = _delivery(route, frame, properties, body, ticket)
                 shared.delivered += 1
                 if delivery.redelivered:
                     route.metrics.redeliveries.inc()
-                ticket.task = loop.create_task(deliver(route, ticket, acks_first))
+                if undecodable is None:
+                    ticket.task = loop.create_task(deliver(route, ticket, acks_first))
+                else:
+                    cause = Cause(Outcome.UNDECODABLE, undecodable.error, undecodable.describe())
+                    ticket.task = loop.create_task(deliver(route, ticket, acks_first, cause))
             except Exception as exc:
                 self.log.error(
                     "consumer_intake_failed", queue=route.queue, error=repr(exc), exc_info=exc
@@ -108,8 +117,15 @@ class Dispatcher:
 
         return on_delivery
 
-    async def _deliver(self, route: Route, ticket: Ticket, acks_first: bool) -> None:
-        """One delivery's task: process it, and settle it whatever happens."""
+    async def _deliver(
+        self, route: Route, ticket: Ticket, acks_first: bool, undecodable: Cause | None = None
+    ) -> None:
+        """One delivery's task: process it, and settle it whatever happens.
+
+        ``undecodable``: the delivery's properties or routing key did not decode
+        (`reliable_mq._inbound.Undecodable`); it is settled by that cause, and
+        no handler runs.
+        """
         session, shared = ticket.session, self.shared
         if shared.stopping or session.dead():
             # Raced the basic.cancel: give it back at once. Or its channel died
@@ -119,7 +135,12 @@ class Dispatcher:
             return
         shared.enter()
         try:
-            if route.semaphore is None:
+            if undecodable is not None:
+                delivery_log(ticket.delivery).error(
+                    "delivery_undecodable", error=undecodable.note, detail=repr(undecodable.error)
+                )
+                await ticket.settle(undecodable)
+            elif route.semaphore is None:
                 await self._process(route, ticket, acks_first)
             else:
                 async with route.semaphore:

@@ -33,6 +33,17 @@ and close handlers on its own channel:
   that is not registered is dropped, as aiormq does; a header or body frame of
   the wrong kind raises from the channel's reader, as in aiormq (the channel
   closes and the broker requeues what it had delivered on it).
+* **Undecodable deliveries**: the broker checks neither that the strings of a
+  delivery (its routing key, the short-string properties, header names) are
+  UTF-8 nor that its timestamps are dates Python can hold, so another client
+  can send what pamqp cannot decode. pamqp raises, and aiormq's reader closes
+  the whole connection: the broker redelivers the message and the consumer
+  reconnects for ever, every queue on the connection stopped. Our decoder
+  decodes such a frame again, only when the fast one failed, with those strings
+  backslash-escaped (``\\xff``) and such a timestamp None, as an
+  `UndecodableDeliver` or `UndecodableHeader` that names what did not decode
+  (`Undecodable`); the delivery reaches ``on_delivery`` with it, and the
+  consumer dead-letters it without running the handler.
 
 Everything else stays aiormq's: the socket, heartbeats, RPCs, ``basic.qos``,
 ``basic.consume``/``basic.cancel``, settle frames, the close handshakes. Since
@@ -48,6 +59,7 @@ import contextlib
 import struct
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiormq
@@ -60,12 +72,55 @@ from pamqp.header import ContentHeader
 
 from ._amqp_faults import reader_error
 
-__all__ = ("OnDelivery", "decode_frame", "take_deliveries", "take_frames")
+__all__ = (
+    "OnDelivery",
+    "Undecodable",
+    "UndecodableDeliver",
+    "UndecodableHeader",
+    "decode_frame",
+    "take_deliveries",
+    "take_frames",
+)
 
-OnDelivery = Callable[[Basic.Deliver, Basic.Properties, bytes], None]
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """What in a delivery's frames did not decode, though the frames are well formed.
+
+    Attributes:
+        fields: what did not decode, e.g. ``("message_id", "header name 'a\\xff'")``.
+        error: the first error (``UnicodeDecodeError``; ``ValueError`` or
+            ``OverflowError`` for a timestamp out of range).
+    """
+
+    fields: tuple[str, ...]
+    error: Exception
+
+    def describe(self) -> str:
+        """``"not decodable: message_id, routing_key"``."""
+        return "not decodable: " + ", ".join(self.fields)
+
+    def __add__(self, other: Undecodable) -> Undecodable:
+        return Undecodable(self.fields + other.fields, self.error)
+
+
+class UndecodableDeliver(Basic.Deliver):
+    """A ``basic.deliver`` whose exchange or routing key is not UTF-8 (kept escaped)."""
+
+    undecodable: Undecodable
+
+
+class UndecodableHeader(ContentHeader):
+    """A content header with properties that did not decode (strings kept escaped)."""
+
+    undecodable: Undecodable
+
+
+OnDelivery = Callable[[Basic.Deliver, Basic.Properties, bytes, Undecodable | None], None]
 """Called once per delivery, in tag order, from the channel's reader task:
-``(deliver frame, properties, body)``. It must not raise (an exception closes
-the channel)."""
+``(deliver frame, properties, body, undecodable)``; ``undecodable`` is None
+unless a string or timestamp in the deliver frame or the properties did not
+decode. It must not raise (an exception closes the channel)."""
 
 
 def take_deliveries(channel: aiormq.Channel, on_delivery: OnDelivery) -> None:
@@ -73,6 +128,7 @@ def take_deliveries(channel: aiormq.Channel, on_delivery: OnDelivery) -> None:
     frames = channel.frames
     get_frame = channel._get_frame
     consumers = channel.consumers
+    plain_deliver, plain_header = Basic.Deliver, ContentHeader  # not undecodable ones
 
     async def next_frame() -> Any:
         if frames.empty():
@@ -105,9 +161,21 @@ def take_deliveries(channel: aiormq.Channel, on_delivery: OnDelivery) -> None:
             if len(body) < size:
                 body = await _rest(body, size, next_frame)
         if frame.consumer_tag in consumers:
-            on_delivery(frame, header.properties, body)
+            if type(frame) is plain_deliver and type(header) is plain_header:
+                on_delivery(frame, header.properties, body, None)
+            else:
+                on_delivery(frame, header.properties, body, _undecodable(frame, header))
 
     channel._on_deliver_frame = on_deliver  # type: ignore[method-assign]
+
+
+def _undecodable(frame: Basic.Deliver, header: ContentHeader) -> Undecodable | None:
+    """What did not decode in a delivery's method frame and content header."""
+    first = frame.undecodable if isinstance(frame, UndecodableDeliver) else None
+    second = header.undecodable if isinstance(header, UndecodableHeader) else None
+    if first is None or second is None:
+        return first or second
+    return first + second
 
 
 async def _rest(first: bytes, size: int, next_frame: Callable[[], Any]) -> bytes:
@@ -128,6 +196,8 @@ async def _rest(first: bytes, size: int, next_frame: Callable[[], Any]) -> bytes
 _FRAME_HEADER = struct.Struct(">BHI")
 _HEADER_START = struct.Struct(">HHQH")  # class id, weight, body size, first flag word
 _LONGLONG = struct.Struct(">q")  # signed, as pamqp decodes it
+_LONG = struct.Struct(">I")
+_TIMESTAMP = struct.Struct(">Q")
 _METHOD, _HEADER, _BODY = 1, 2, 3
 _FRAME_END = 0xCE
 _DELIVER = struct.pack(">HH", 60, 60)
@@ -188,6 +258,10 @@ def _receiver(connection: AbstractConnection) -> Any:
 def decode_frame(head: bytes, rest: bytes) -> tuple[int, int, Any]:
     """Decode one frame as ``pamqp.frame.unmarshal(head + rest)`` does.
 
+    Except for a well-formed ``basic.deliver`` or content header that pamqp
+    cannot decode only because a string in it is not UTF-8 or a timestamp is
+    out of range: that is an `UndecodableDeliver` or `UndecodableHeader`.
+
     Args:
         head: the 7-byte frame header (type, channel, payload size).
         rest: the payload and the frame-end byte.
@@ -210,8 +284,11 @@ def decode_frame(head: bytes, rest: bytes) -> tuple[int, int, Any]:
                 header = _content_header(rest)
                 if header is not None:
                     return used, channel, header
-        except Exception:  # pamqp decodes it again, and says what is wrong
-            pass
+        except Exception:  # a string not UTF-8, a bad timestamp, or a damaged frame
+            undecodable = _decode_escaped(kind, rest)
+            if undecodable is not None:
+                return used, channel, undecodable
+            # Damaged: pamqp decodes it again, and says what is wrong.
     return pamqp.frame.unmarshal(head + rest)
 
 
@@ -269,4 +346,169 @@ def _content_header(data: bytes) -> ContentHeader | None:
     header.weight = weight
     header.body_size = body_size
     header.properties = properties
+    return header
+
+
+# -- deliveries that do not decode ------------------------------------------------
+
+
+def _escape(raw: bytes) -> str:
+    """``raw`` as text, what is not UTF-8 as ``\\xNN``, cut to fit a short string again.
+
+    255 bytes escape to as many as 1,020 characters: cut (and marked ``...``) so
+    that the consumer's copy of the message can carry it as a property again.
+    """
+    text = raw.decode("utf-8", "backslashreplace")
+    if len(text.encode()) <= 255:
+        return text
+    return text.encode()[:252].decode("utf-8", "ignore") + "..."
+
+
+class _Escaping:
+    """Decodes what pamqp cannot: strings that are not UTF-8 (escaped), bad timestamps (None).
+
+    A second decoder, slower than `_deliver` and `_content_header`, for a frame
+    they could not decode: it notes what it had to escape or drop.
+    """
+
+    __slots__ = ("error", "fields")
+
+    def __init__(self) -> None:
+        self.fields: list[str] = []
+        self.error: Exception | None = None
+
+    def _note(self, where: str, error: Exception) -> None:
+        self.fields.append(where)
+        if self.error is None:
+            self.error = error
+
+    def short_str(self, data: bytes, offset: int, where: str) -> tuple[str, int]:
+        end = offset + 1 + data[offset]
+        if end > len(data):
+            raise ValueError("short string past the end of the frame")
+        raw = data[offset + 1 : end]
+        try:
+            return raw.decode("utf-8"), end
+        except UnicodeDecodeError as exc:
+            text = _escape(raw)
+            self._note(f"{where} '{text}'" if where.endswith(" name") else where, exc)
+            return text, end
+
+    def timestamp(self, data: bytes, offset: int, where: str) -> tuple[Any, int]:
+        _TIMESTAMP.unpack_from(data, offset)  # too short: damaged, not undecodable
+        try:
+            return decode.timestamp(data[offset : offset + 8])[1], offset + 8
+        except (ValueError, OverflowError, OSError) as exc:  # a date Python cannot hold
+            self._note(where, exc)
+            return None, offset + 8
+
+    def table(self, data: bytes, offset: int, where: str) -> tuple[dict[str, Any], int]:
+        (length,) = _LONG.unpack_from(data, offset)
+        offset += 4
+        end = offset + length
+        if end > len(data):
+            raise ValueError("field table past the end of the frame")
+        table: dict[str, Any] = {}
+        while offset < end:
+            key, offset = self.short_str(data, offset, f"{where} name")
+            table[key], offset = self.value(data, offset, f"{where}[{key!r}]")
+        if offset != end:
+            raise ValueError("field table overruns its length")
+        return table, end
+
+    def value(self, data: bytes, offset: int, where: str) -> tuple[Any, int]:
+        kind = data[offset : offset + 1]
+        if kind == b"F":
+            return self.table(data, offset + 1, where)
+        if kind == b"T":
+            return self.timestamp(data, offset + 1, where)
+        if kind == b"A":
+            (length,) = _LONG.unpack_from(data, offset + 1)
+            offset += 5
+            end = offset + length
+            if end > len(data):
+                raise ValueError("field array past the end of the frame")
+            items: list[Any] = []
+            while offset < end:
+                item, offset = self.value(data, offset, f"{where}[{len(items)}]")
+                items.append(item)
+            return items, offset
+        used, value = decode.embedded_value(data[offset:])
+        if not used:
+            raise ValueError("field value past the end of the frame")
+        return value, offset + used
+
+    def undecodable(self) -> Undecodable | None:
+        if self.error is None:
+            return None
+        return Undecodable(tuple(self.fields), self.error)
+
+
+def _decode_escaped(kind: int, data: bytes) -> UndecodableDeliver | UndecodableHeader | None:
+    """``data`` decoded by `_Escaping`: None if it is damaged, or decodes after all.
+
+    ``data`` is the payload and the frame-end byte; nothing may reach into that byte.
+    """
+    try:
+        if kind == _METHOD and data.startswith(_DELIVER):
+            return _escaped_deliver(data[:-1])
+        if kind == _HEADER:
+            return _escaped_header(data[:-1])
+    except Exception:
+        return None
+    return None
+
+
+def _escaped_deliver(data: bytes) -> UndecodableDeliver | None:
+    escaping = _Escaping()
+    consumer_tag, offset = escaping.short_str(data, 4, "consumer_tag")
+    delivery_tag = _LONGLONG.unpack_from(data, offset)[0]
+    redelivered = bool(data[offset + 8] & 1)
+    exchange, offset = escaping.short_str(data, offset + 9, "exchange")
+    routing_key, offset = escaping.short_str(data, offset, "routing_key")
+    undecodable = escaping.undecodable()
+    if undecodable is None:
+        return None
+    frame = UndecodableDeliver.__new__(UndecodableDeliver)
+    frame.consumer_tag = consumer_tag
+    frame.delivery_tag = delivery_tag
+    frame.redelivered = redelivered
+    frame.exchange = exchange
+    frame.routing_key = routing_key
+    frame.undecodable = undecodable
+    return frame
+
+
+def _escaped_header(data: bytes) -> UndecodableHeader | None:
+    class_id, weight, body_size, flags = _HEADER_START.unpack_from(data)
+    if flags & 1:
+        return None
+    escaping = _Escaping()
+    properties = Basic.Properties.__new__(Basic.Properties)
+    offset = 14
+    value: Any
+    for name, flag, kind in _PROPERTIES:
+        if not flags & flag:
+            value = "" if name == "cluster_id" else None
+        elif kind == "shortstr":
+            value, offset = escaping.short_str(data, offset, name)
+        elif kind == "octet":
+            value = data[offset]
+            offset += 1
+        elif kind == "table":
+            value, offset = escaping.table(data, offset, "header")
+        elif kind == "timestamp":
+            value, offset = escaping.timestamp(data, offset, name)
+        else:
+            return None
+        setattr(properties, name, value)
+    undecodable = escaping.undecodable()
+    if undecodable is None:
+        return None
+    header = UndecodableHeader.__new__(UndecodableHeader)
+    header.class_id = class_id
+    header.weight = weight
+    header.body_size = body_size
+    header.properties = properties
+    header.undecodable = undecodable
     return header

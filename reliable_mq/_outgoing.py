@@ -132,7 +132,10 @@ class Preparer:
     def method(self, exchange: str, routing_key: str, mandatory: bool) -> bytes:
         """The ``basic.publish`` payload, cached (the same routes repeat)."""
         key = (exchange, routing_key, mandatory)
-        payload = self._methods.get(key)
+        try:
+            payload = self._methods.get(key)
+        except TypeError:  # unhashable: not a str, which encode_publish names
+            return encode_publish(exchange, routing_key, mandatory)
         if payload is None:
             payload = encode_publish(exchange, routing_key, mandatory)
             if len(self._methods) >= _METHOD_CACHE_SIZE:
@@ -162,6 +165,10 @@ class Preparer:
     ) -> tuple[str, Encoded, bool]:
         """Check and encode one message: ``(message_id, encoded, mandatory)``.
 
+        Whatever a value's own code raises while it is encoded (a serializer, a
+        mapping's ``__iter__``, a ``datetime`` subclass...; any ``Exception``) is
+        this message's `InvalidBody` or `InvalidMessage`: it fails alone.
+
         Raises:
             InvalidMessage, InvalidBody, MessageTooLarge: it cannot be sent as given.
         """
@@ -170,6 +177,12 @@ class Preparer:
             payload, inferred_type = encode_body(body)
         except RecursionError:
             raise InvalidBody("body is nested too deeply to encode as JSON") from None
+        except ReliableMQError:
+            raise
+        except Exception as exc:
+            raise InvalidBody(
+                f"cannot encode a {type(body).__name__} body: {_describe(exc)}"
+            ) from exc
         if message_id is None:
             message_id = f"{self._id_prefix}{seq:x}"
         elif not isinstance(message_id, str) or not message_id:
@@ -183,22 +196,31 @@ class Preparer:
                 message_id=message_id,
                 attempts=0,
             )
-        sticky = _flag(mandatory, settings.mandatory, "mandatory")
-        method = self.method(exchange, routing_key, sticky)
-        header = encode_properties(
-            len(payload),
-            content_type=content_type or inferred_type,
-            delivery_mode=2 if _flag(persistent, settings.persistent, "persistent") else 1,
-            message_id=message_id,
-            headers=_headers(headers),
-            priority=priority,
-            correlation_id=correlation_id,
-            reply_to=reply_to,
-            expiration=expiration,
-            timestamp=timestamp,
-            message_type=message_type,
-            app_id=app_id,
-        )
+        try:
+            sticky = _flag(mandatory, settings.mandatory, "mandatory")
+            method = self.method(exchange, routing_key, sticky)
+            header = encode_properties(
+                len(payload),
+                content_type=content_type or inferred_type,
+                delivery_mode=2 if _flag(persistent, settings.persistent, "persistent") else 1,
+                message_id=message_id,
+                headers=_headers(headers),
+                priority=priority,
+                correlation_id=correlation_id,
+                reply_to=reply_to,
+                expiration=expiration,
+                timestamp=timestamp,
+                message_type=message_type,
+                app_id=app_id,
+            )
+        except ReliableMQError:
+            raise
+        except RecursionError:
+            raise InvalidMessage("headers are nested too deeply to encode") from None
+        except Exception as exc:
+            raise InvalidMessage(
+                f"cannot encode the routing key, properties or headers: {_describe(exc)}"
+            ) from exc
         if len(header) + FRAME_OVERHEAD > self.frame_max:
             raise InvalidMessage(
                 f"properties and headers take {len(header)} bytes, over the connection's "
@@ -211,6 +233,15 @@ class Preparer:
         if timeout is None:
             return self.settings.publish_timeout
         return check_timeout(timeout)
+
+
+def _describe(exc: BaseException) -> str:
+    """``"Type: text"``, safe to print: text not UTF-8 escaped, a failing ``str()`` survived."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<str() failed>"
+    return f"{type(exc).__name__}: {text}".encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _flag(value: Any, default: bool, field: str) -> bool:

@@ -79,6 +79,10 @@ class Outcome(enum.StrEnum):
     INVALID_BODY = "invalid_body"
     """The body did not decode for the handler's annotation (any exception from
     the decoder or a validator, ``MemoryError`` aside)."""
+    UNDECODABLE = "undecodable"
+    """A string in the properties (a header name included) or the routing key is
+    not UTF-8, or a timestamp is out of range: the delivery cannot be shown as
+    sent, and the handler does not run."""
     TOO_MANY_ATTEMPTS = "too_many_attempts"
     """Delivered with an attempt number over ``max_attempts``."""
     ALREADY_PROCESSED = "already_processed"
@@ -165,6 +169,8 @@ def decide(policy: AckPolicy, outcome: Outcome, attempt: int, max_attempts: int)
             return Decision(Settle.DUPLICATE)
         case Outcome.INVALID_BODY:
             return Decision(Settle.DEAD_LETTER, DeadLetterReason.INVALID_BODY)
+        case Outcome.UNDECODABLE:
+            return Decision(Settle.DEAD_LETTER, DeadLetterReason.INVALID_PROPERTIES)
         case Outcome.TOO_MANY_ATTEMPTS:
             return Decision(Settle.DEAD_LETTER, DeadLetterReason.MAX_ATTEMPTS)
         case Outcome.NACK_CALLED | Outcome.UNRECORDED | Outcome.SHUTDOWN:

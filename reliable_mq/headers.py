@@ -177,6 +177,12 @@ class DeadLetterReason(enum.StrEnum):
     INVALID_BODY = "invalid_body"
     """The body did not decode for the handler's annotation (bad JSON, wrong
     schema or content type, a validator that raised, nesting too deep)."""
+    INVALID_PROPERTIES = "invalid_properties"
+    """A string of the message that AMQP requires to be UTF-8 was not (a
+    property such as ``message_id`` or ``content_type``, a header name, the
+    routing key), or a timestamp was out of range: the broker does not check
+    them. The handler did not run; the copy carries those strings
+    backslash-escaped (``\\xff``), ``x-reliable-mq-error-message`` names them."""
     HANDLER_ERROR = "handler_error"
     """The handler raised under ``AckPolicy.DEAD_LETTER_ON_ERROR``."""
     HANDLER_TIMEOUT = "handler_timeout"

@@ -25,7 +25,7 @@ from reliable_mq import (
     ReliablePublisher,
 )
 from reliable_mq.topology import declare_topology, delete_topology
-from tests.support.amqp import drain_queue
+from tests.support.amqp import ESCAPED, MARK, drain_queue, hostile_frames
 from tests.support.private_node import free_port
 
 pytestmark = pytest.mark.rabbitmq
@@ -645,6 +645,29 @@ class TestEdges:
         assert "evil\\x1b]0;pwned\\x07id" in listing and "rejected\\x1b[31m" in listing
         assert outputs[3].stdout == "body\\x1b[2J\\nline2\n"
         assert json.loads(outputs[4].stdout)["body"] == "body\x1b[2J\nline2"  # exact, escaped
+
+    async def test_strings_not_utf8_are_shown_escaped(
+        self, broker_url: str, topology: QueueTopology
+    ) -> None:
+        """A message id and a header name that are not UTF-8 (from another client; the
+        broker dead-lettered it as is): listed and consumed escaped, not a broker error."""
+        connection = await aio_pika.connect(broker_url)
+        async with connection:
+            channel = await connection.channel()
+            message = aio_pika.Message(b"x", message_id=f"id-{MARK}", headers={MARK: 1})
+            with hostile_frames():
+                await channel.default_exchange.publish(
+                    message, routing_key=topology.dead_letter_queue
+                )
+        listed = await cli("dlq", "list", topology.queue, url=broker_url)
+        consumed = await cli("consume", topology.dead_letter_queue, "--count", "1", "--json",
+                             url=broker_url)  # fmt: skip
+        assert listed.code == 0 and consumed.code == 0, listed.stderr + consumed.stderr
+        assert f"id-{ESCAPED}" in listed.stdout
+        record = json.loads(consumed.stdout)
+        assert record["message_id"] == f"id-{ESCAPED}"
+        assert record["headers"] == {ESCAPED: 1}
+        assert await _queue_depth(broker_url, topology.dead_letter_queue) == 0
 
     async def test_topology_on_an_existing_plain_queue(self, broker_url: str, queue: str) -> None:
         """A durable queue made elsewhere: side queues declared, the queue kept, a correct note."""

@@ -35,7 +35,12 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from reliable_mq import ConnectionSettings
-from reliable_mq._inbound import _receiver, decode_frame
+from reliable_mq._inbound import (
+    UndecodableDeliver,
+    UndecodableHeader,
+    _receiver,
+    decode_frame,
+)
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery
 from reliable_mq.handlers import AckPolicy
@@ -80,6 +85,31 @@ def _ours(data: bytes) -> Any:
 def assert_same(data: bytes) -> None:
     """``decode_frame`` decodes ``data`` exactly as ``pamqp.frame.unmarshal``."""
     assert _outcome(_ours, data) == _outcome(pamqp.frame.unmarshal, data)
+
+
+def _root_error(data: bytes) -> BaseException | None:
+    """What pamqp's error on ``data`` came from (None: pamqp decodes it)."""
+    try:
+        pamqp.frame.unmarshal(data)
+    except PAMQPException as exc:
+        error: BaseException = exc
+        while error.__cause__ is not None:
+            error = error.__cause__
+        return error
+    return None
+
+
+def assert_same_or_undecodable(data: bytes) -> None:
+    """As pamqp; or, where pamqp fails only on a string that is not UTF-8 or a date it
+    cannot hold, an undecodable frame naming what did not decode."""
+    ours = _outcome(_ours, data)
+    if ours == _outcome(pamqp.frame.unmarshal, data):
+        return
+    frame = _ours(data)[2]
+    assert isinstance(frame, (UndecodableDeliver, UndecodableHeader)), ours
+    error = _root_error(data)
+    fields = frame.undecodable.fields
+    assert isinstance(error, UnicodeDecodeError) or "timestamp" in " ".join(fields), error
 
 
 _short = st.text(max_size=40)
@@ -161,7 +191,8 @@ class TestDecodeFrame:
         data=st.data(),
     )
     def test_damaged_frames_as_pamqp(self, frame: Any, data: st.DataObject) -> None:
-        """A frame with a byte changed or cut short: the same frame, or the same error."""
+        """A frame with a byte changed or cut short: the same frame, or the same error
+        (or, when it only made a string not UTF-8, an undecodable frame)."""
         raw = bytearray(pamqp.frame.marshal(frame, 1))
         if data.draw(st.booleans(), label="cut"):
             length = data.draw(st.integers(7, len(raw) - 1), label="length")
@@ -172,7 +203,7 @@ class TestDecodeFrame:
             return
         index = data.draw(st.integers(7, len(raw) - 1), label="index")
         raw[index] = data.draw(st.integers(0, 255), label="byte")
-        assert_same(bytes(raw))
+        assert_same_or_undecodable(bytes(raw))
 
     def test_two_flag_words_go_to_pamqp(self) -> None:
         """A header whose flags continue into a second word is left to pamqp."""
@@ -210,6 +241,112 @@ class TestDecodeFrame:
         assert_same(raw)
 
 
+_MARK = "QqBADqQ"
+_NOT_UTF8 = b"\xff\xfeb\xc3(d\x80"  # as long as _MARK
+_ESCAPED = "\\xff\\xfeb\\xc3(d\\x80"
+_STRING_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "message_type",
+    "user_id",
+    "app_id",
+)
+
+
+def _swapped(frame: Any) -> bytes:
+    return pamqp.frame.marshal(frame, 1).replace(_MARK.encode(), _NOT_UTF8)
+
+
+class TestUndecodable:
+    """Well-formed frames pamqp cannot decode: strings not UTF-8, dates out of range."""
+
+    @settings(max_examples=200, deadline=None)
+    @given(props=_properties(), name=st.sampled_from(_STRING_PROPERTIES))
+    def test_a_property_not_utf8_is_escaped_and_named(
+        self, props: Basic.Properties, name: str
+    ) -> None:
+        """That property escaped, every other one as pamqp decodes it, the field named."""
+        setattr(props, name, _MARK)
+        frame = _ours(_swapped(ContentHeader(0, 3, props)))[2]
+        assert isinstance(frame, UndecodableHeader)
+        setattr(props, name, _ESCAPED)
+        expected = pamqp.frame.unmarshal(pamqp.frame.marshal(ContentHeader(0, 3, props), 1))[2]
+        assert _attributes(frame)[1:] == _attributes(expected)[1:]
+        assert frame.undecodable.fields == (name,)
+        assert isinstance(frame.undecodable.error, UnicodeDecodeError)
+
+    @settings(max_examples=100, deadline=None)
+    @given(table=_tables, path=st.lists(st.text(min_size=1, max_size=5), max_size=2))
+    def test_a_header_name_not_utf8_anywhere_in_the_table(
+        self, table: dict[str, Any], path: list[str]
+    ) -> None:
+        """A header name at any depth (nested tables) escaped; its path named."""
+        nested: dict[str, Any] = {_MARK: 1}
+        for key in reversed(path):
+            nested = {key: nested}
+        headers = {**table, **nested}
+        frame = _ours(_swapped(ContentHeader(0, 3, Basic.Properties(headers=headers))))[2]
+        assert isinstance(frame, UndecodableHeader)
+        where = "header" + "".join(f"[{key!r}]" for key in path)
+        assert frame.undecodable.fields == (f"{where} name '{_ESCAPED}'",)
+        value: Any = frame.properties.headers
+        for key in path:
+            value = value[key]
+        assert value[_ESCAPED] == 1
+
+    def test_a_header_value_not_utf8_is_bytes_as_in_pamqp(self) -> None:
+        """A long-string value need not be text: pamqp gives bytes, and so does ours."""
+        data = _swapped(ContentHeader(0, 3, Basic.Properties(headers={"k": [_MARK]})))
+        assert_same(data)
+        assert _ours(data)[2].properties.headers == {"k": [_NOT_UTF8]}
+
+    @pytest.mark.parametrize("field", ["exchange", "routing_key"])
+    def test_deliver_with_a_string_not_utf8(self, field: str) -> None:
+        """basic.deliver: the exchange or routing key escaped, the rest as pamqp."""
+        deliver = Basic.Deliver("ctag", 7, True, "ex", "rk")
+        setattr(deliver, field, _MARK)
+        frame = _ours(_swapped(deliver))[2]
+        assert isinstance(frame, UndecodableDeliver)
+        assert frame.undecodable.fields == (field,)
+        assert (frame.consumer_tag, frame.delivery_tag, frame.redelivered) == ("ctag", 7, True)
+        assert getattr(frame, field) == _ESCAPED
+
+    @pytest.mark.parametrize("seconds", [2**64 - 1, 1_700_000_000_000_000])
+    def test_a_timestamp_out_of_range_is_none(self, seconds: int) -> None:
+        """A timestamp past the year 9999 (a producer writing microseconds): None, named."""
+        placeholder = 1_234_567_890
+        stamp = datetime.datetime.fromtimestamp(placeholder, tz=datetime.UTC)
+        props = Basic.Properties(message_id="m", timestamp=stamp, headers={"t": stamp})
+        data = pamqp.frame.marshal(ContentHeader(0, 3, props), 1)
+        data = data.replace(placeholder.to_bytes(8, "big"), seconds.to_bytes(8, "big"))
+        frame = _ours(data)[2]
+        assert isinstance(frame, UndecodableHeader)
+        assert frame.undecodable.fields == ("header['t']", "timestamp")
+        assert frame.properties.timestamp is None and frame.properties.headers == {"t": None}
+        assert frame.properties.message_id == "m"
+
+    def test_a_long_escaped_string_still_fits_a_short_string(self) -> None:
+        """255 bytes not UTF-8 escape to 1,020 characters: cut to 255 bytes, marked."""
+        props = Basic.Properties(message_id="\x01" * 255)
+        data = pamqp.frame.marshal(ContentHeader(0, 3, props), 1).replace(
+            b"\x01" * 255, b"\xff" * 255
+        )
+        frame = _ours(data)[2]
+        assert isinstance(frame, UndecodableHeader)
+        message_id = frame.properties.message_id
+        assert len(message_id.encode()) == 255 and message_id.endswith("...")
+
+    def test_a_damaged_frame_is_still_pamqps_error(self) -> None:
+        """Not UTF-8 and a string past the end of the frame: pamqp's error."""
+        data = bytearray(_swapped(ContentHeader(0, 3, Basic.Properties(message_id=_MARK))))
+        data[data.index(_NOT_UTF8) - 1] = 8  # one byte more: the frame-end byte
+        assert _outcome(_ours, bytes(data)) == ("error", pamqp.exceptions.UnmarshalingException)
+
+
 class TestIntake:
     async def test_a_delivery_it_cannot_record_closes_the_channel(
         self, caplog: pytest.LogCaptureFixture
@@ -236,7 +373,7 @@ class TestIntake:
         on_delivery = dispatcher.intake(route, _Session())  # type: ignore[arg-type]
         frame = Basic.Deliver("ctag", 5, False, "", "q")
         with caplog.at_level("ERROR"):
-            on_delivery(frame, Basic.Properties(), b"x")
+            on_delivery(frame, Basic.Properties(), b"x", None)
         assert aborted == [True]
         assert "consumer_intake_failed" in caplog.text
         assert dispatcher.shared.delivered == 0
@@ -267,11 +404,13 @@ class TestIntake:
         )
         session = Session(shared, route, channel)  # type: ignore[arg-type]
         on_delivery = Dispatcher(shared).intake(route, session)  # type: ignore[arg-type]
-        on_delivery(Basic.Deliver("ctag", 1, False, "", "q"), Basic.Properties(message_id="a"), b"")
+        on_delivery(
+            Basic.Deliver("ctag", 1, False, "", "q"), Basic.Properties(message_id="a"), b"", None
+        )
         await asyncio.sleep(0.01)  # the first one's handler is running
         for tag in (2, 3):
             props = Basic.Properties(message_id=f"m{tag}")
-            on_delivery(Basic.Deliver("ctag", tag, False, "", "q"), props, b"")
+            on_delivery(Basic.Deliver("ctag", tag, False, "", "q"), props, b"", None)
         channel.is_closed = True  # dies before the tasks of 2 and 3 ran
         session.interrupt()
         tasks = [ticket.task for ticket in session.inflight.values()]

@@ -32,6 +32,7 @@ from reliable_mq.headers import (
     LAST_ERROR_HEADER,
     REASON_HEADER,
 )
+from tests.support.amqp import ESCAPED, MARK, NOT_UTF8, PLACEHOLDER_TIME, hostile_frames
 from tests.test_consumer_broker import URL, Env, _env, drain, wait_until  # noqa: F401 (_env: fixture)
 
 pytestmark = pytest.mark.rabbitmq
@@ -445,3 +446,166 @@ class TestUnpublishableCopies:
         assert len(set(good)) == 70
         dead = _dead(await drain(dlq))
         assert dead["poison"][REASON_HEADER] == "rejected"
+
+
+async def _publish_hostile(
+    env: Env,
+    exchange: str = "",
+    routing_key: str | None = None,
+    **options: Any,
+) -> None:
+    """One hostile message, then good ones ``good0``..``good2``, in this order."""
+    connection = await aio_pika.connect(URL)
+    async with connection:
+        channel = await connection.channel()
+        target = await channel.get_exchange(exchange) if exchange else channel.default_exchange
+        message = aio_pika.Message(b'{"n": 1}', **options)
+        with hostile_frames():
+            await target.publish(message, routing_key=routing_key or env.queue)
+        for index in range(3):
+            good = aio_pika.Message(b'{"n": 2}', message_id=f"good{index}")
+            await target.publish(good, routing_key=env.queue)
+
+
+_UNDECODABLE = {
+    "message_id": ({"message_id": MARK}, "message_id"),
+    "correlation_id": ({"correlation_id": MARK}, "correlation_id"),
+    "content_type": ({"content_type": MARK}, "content_type"),
+    "header_name": ({"headers": {MARK: 1, "ok": "kept"}}, f"header name '{ESCAPED}'"),
+    "nested_header_name": ({"headers": {"t": {MARK: [1]}}}, f"header['t'] name '{ESCAPED}'"),
+    "timestamp_in_microseconds": (
+        {"timestamp": PLACEHOLDER_TIME},
+        "timestamp",
+    ),
+}
+
+
+class TestUndecodableDeliveries:
+    """Strings AMQP requires to be UTF-8 that are not, and dates Python cannot hold.
+
+    pamqp cannot decode such a delivery, and aiormq's reader used to close the
+    whole connection on it: the broker redelivered it and the consumer
+    reconnected some 80 times a second, every queue of the connection stopped.
+    Now it is dead-lettered (``invalid_properties``) and nothing else is touched.
+    """
+
+    @pytest.mark.parametrize("case", list(_UNDECODABLE))
+    async def test_dead_lettered_and_the_queue_flows(self, env: Env, case: str) -> None:
+        """The DLQ with the field named and its text escaped; the handler never runs;
+        no channel reopened; the good messages behind it are handled."""
+        options, field = _UNDECODABLE[case]
+        consumer = env.consumer(**FAST)
+        handled: list[str] = []
+
+        @consumer.handler(env.queue)
+        async def handler(body: Picky, delivery: Delivery) -> None:
+            handled.append(delivery.message_id)
+
+        env.track(consumer)
+        async with consumer:
+            options = {"message_id": "bad", **options}
+            await _publish_hostile(env, **options)
+            await wait_until(lambda: len(handled) == 3, 10, "the good messages behind it")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert handled == ["good0", "good1", "good2"]
+        assert (stats.delivered, stats.acked, stats.dead_lettered) == (4, 3, 1)
+        assert (stats.channel_reopens, stats.requeued, stats.fallbacks) == (0, 0, 0)
+        labels = {"queue": env.queue, "reason": "invalid_properties"}
+        sample = env.registry.get_sample_value("reliable_mq_dead_lettered_messages_total", labels)
+        assert sample == 1
+        [dead] = await drain(consumer.topology(env.queue).dead_letter_queue)
+        headers = dict(dead.headers)
+        assert headers[REASON_HEADER] == "invalid_properties"
+        error_type = "ValueError" if case.startswith("timestamp") else "UnicodeDecodeError"
+        assert headers[ERROR_TYPE_HEADER] == error_type
+        assert str(headers[ERROR_MESSAGE_HEADER]).startswith(f"not decodable: {field}: ")
+        assert dead.body == b'{"n": 1}'
+        if case == "message_id":
+            assert dead.message_id == ESCAPED
+        if case == "header_name":
+            assert headers[ESCAPED] == 1 and headers["ok"] == "kept"
+        if case == "content_type":
+            assert dead.content_type == ESCAPED
+        assert await drain(env.queue) == []
+
+    async def test_routing_key_not_utf8(self, env: Env) -> None:
+        """A routing key that is not UTF-8 (through a fanout exchange, which takes any)."""
+        consumer = env.consumer(**FAST)
+        handled: list[str] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            handled.append(delivery.message_id)
+
+        env.track(consumer)
+        exchange = f"{env.queue}.fanout"
+        connection = await aio_pika.connect(URL)
+        async with connection:
+            channel = await connection.channel()
+            fanout = await channel.declare_exchange(exchange, "fanout", auto_delete=True)
+            async with consumer:
+                await (await channel.get_queue(env.queue)).bind(fanout)
+                await _publish_hostile(env, exchange=exchange, routing_key=MARK, message_id="bad")
+                await wait_until(lambda: len(handled) == 3, 10, "the good messages behind it")
+                await _settled(consumer)
+                stats = consumer.stats()
+        assert (stats.dead_lettered, stats.channel_reopens) == (1, 0)
+        [dead] = await drain(consumer.topology(env.queue).dead_letter_queue)
+        assert dead.headers[REASON_HEADER] == "invalid_properties"
+        assert str(dead.headers[ERROR_MESSAGE_HEADER]).startswith("not decodable: routing_key: ")
+        assert dead.headers["x-reliable-mq-original-routing-key"] == ESCAPED
+
+    async def test_header_value_not_utf8_reaches_the_handler_as_bytes(self, env: Env) -> None:
+        """A long-string header value is not required to be UTF-8 (pamqp gives bytes): the
+        handler runs; its retry and DLQ copies carry the value as bytes."""
+        consumer = env.consumer(**FAST)
+        seen: list[Any] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            if delivery.message_id == "bad":
+                seen.append(delivery.headers["k"])
+                raise ValueError("fails")
+
+        env.track(consumer)
+        async with consumer:
+            await _publish_hostile(env, message_id="bad", headers={"k": MARK})
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert seen == [NOT_UTF8, NOT_UTF8]
+        assert (stats.retried, stats.acked, stats.channel_reopens) == (1, 3, 0)
+        [dead] = await drain(consumer.topology(env.queue).dead_letter_queue)
+        assert dead.headers["k"] == NOT_UTF8
+        assert dead.headers[REASON_HEADER] == "max_attempts"
+
+    async def test_deliveries_in_flight_are_not_touched(self, env: Env) -> None:
+        """Handlers running when the bad delivery arrives finish and are acked on the
+        same channel: it is not closed, nothing is redelivered or stale."""
+        consumer = env.consumer(prefetch=10, retry_delays=(0.2,), max_attempts=2)
+        release = asyncio.Event()
+        handled: list[tuple[str, bool]] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            if delivery.message_id == "slow":
+                await release.wait()
+            handled.append((delivery.message_id, delivery.redelivered))
+
+        env.track(consumer)
+        async with consumer:
+            await env.publish([b"s"], ids=["slow"])
+            await wait_until(lambda: consumer.stats().in_progress == 1, 10, "the slow handler")
+            await _publish_hostile(env, message_id=MARK)
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(lambda: len(handled) == 3, 10, "the good messages")
+            release.set()
+            await wait_until(lambda: len(handled) == 4, 10, "the slow one")
+            await _settled(consumer)
+            stats = consumer.stats()
+        assert not any(redelivered for _, redelivered in handled)
+        assert (stats.acked, stats.channel_reopens, stats.stale) == (4, 0, 0)
+        assert [
+            m.message_id for m in await drain(consumer.topology(env.queue).dead_letter_queue)
+        ] == [ESCAPED]

@@ -8,18 +8,22 @@ private node.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import math
 import re
 import time
 import uuid
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import aio_pika
 import pytest
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, field_serializer
 
 from reliable_mq import (
     ExchangeNotFound,
+    InvalidBody,
     InvalidMessage,
     Message,
     PublishBatchError,
@@ -37,6 +41,35 @@ from tests.support.amqp import drain_queue
 from tests.test_publisher import conn, fast_settings
 
 pytestmark = pytest.mark.rabbitmq
+
+
+class _ExplodingModel(BaseModel):
+    n: int
+
+    @field_serializer("n")
+    def _n(self, value: int) -> int:
+        raise RuntimeError("serializer exploded")
+
+
+class _BadList(list[int]):
+    def __iter__(self) -> Any:
+        raise LookupError("no iteration")
+
+
+class _BadHeaders(Mapping[str, Any]):
+    def __getitem__(self, key: str) -> Any:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError("headers exploded")
+
+    def __len__(self) -> int:
+        return 1
+
+
+class _BadTime(datetime.datetime):
+    def timestamp(self) -> float:
+        return 1 / 0
 
 
 def _generations(publisher: ReliablePublisher) -> tuple[int, int]:
@@ -384,6 +417,43 @@ class TestBatches:
         bodies = [m.body for m in await drain_queue(broker_url, queue)]
         expected = [f"ok {i}".encode() for i in range(500) if i not in bad]
         assert bodies == [*expected, b"after"]
+
+    async def test_values_whose_own_code_raises_fail_alone(
+        self, broker_url: str, queue: str
+    ) -> None:
+        """A body, header table, timestamp or routing key whose own code raises anything
+        (not a ReliableMQError) is that message's InvalidBody or InvalidMessage naming the
+        cause, in publish() and in publish_many(); it never aborts the batch."""
+        bad: dict[int, tuple[dict[str, Any], type[InvalidMessage], str]] = {
+            2: ({"body": _ExplodingModel(n=1)}, InvalidBody, "RuntimeError: serializer"),
+            4: ({"body": _BadList([1])}, InvalidBody, "BadList body: LookupError: no iter"),
+            6: ({"headers": _BadHeaders()}, InvalidMessage, "RuntimeError: headers exploded"),
+            8: ({"timestamp": _BadTime(2020, 1, 1)}, InvalidMessage, "ZeroDivisionError"),
+            9: ({"routing_key": ["q"]}, InvalidMessage, "routing_key must be a str, not list"),
+        }
+        messages = []
+        for index in range(12):
+            options, _, _ = bad.get(index, ({}, InvalidMessage, ""))
+            fields: dict[str, Any] = {"body": f"ok {index}", "routing_key": queue, **options}
+            messages.append(Message(**fields))
+        async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
+            result = await publisher.publish_many(messages, raise_on_error=False)
+            assert (result.taken, result.confirmed) == (12, 12 - len(bad))
+            assert [f.index for f in result.failures] == sorted(bad)
+            for failure in result.failures:
+                _, kind, text = bad[failure.index]
+                assert type(failure.error) is kind and text in str(failure.error), failure.error
+            for options, kind, text in bad.values():
+                fields = {"body": b"x", "routing_key": queue, **options}
+                body = fields.pop("body")
+                with pytest.raises(kind, match=re.escape(text)):
+                    await publisher.publish(body, **fields)
+                with pytest.raises(kind, match=re.escape(text)):
+                    await publisher.enqueue(body, **fields)
+            assert _generations(publisher) == (1, 1) and publisher.in_flight == 0
+            await publisher.publish(b"after", routing_key=queue)
+        bodies = [m.body for m in await drain_queue(broker_url, queue)]
+        assert bodies == [*(f"ok {i}".encode() for i in range(12) if i not in bad), b"after"]
 
     async def test_max_failures_stops_reading(self, broker_url: str, queue: str) -> None:
         """max_failures stops taking messages from the input; what was taken finishes."""

@@ -78,6 +78,7 @@ TABLE: dict[Outcome, tuple[str, str, str, str]] = {
     O.NACK_CALLED: ("requeue",) * 4,
     O.DROP_CALLED: ("reject",) * 4,
     O.INVALID_BODY: ("dead_letter:invalid_body",) * 4,
+    O.UNDECODABLE: ("dead_letter:invalid_properties",) * 4,
     O.TOO_MANY_ATTEMPTS: ("dead_letter:max_attempts",) * 4,
     O.ALREADY_PROCESSED: ("duplicate+done",) * 4,
     O.DUPLICATE: ("duplicate",) * 4,

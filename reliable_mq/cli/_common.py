@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from .._amqp_faults import AMQP_ERRORS, FaultKind, classify
+from .._inbound import take_frames
 from ..connection import ConnectionSupervisor
 from ..metrics import Metrics
 from ..settings import ConnectionSettings, PublisherSettings, redact_credentials
@@ -411,7 +412,12 @@ async def open_connection(args: argparse.Namespace) -> AsyncIterator[AbstractCon
     )
     await supervisor.start()
     try:
-        yield await supervisor.wait_connected()
+        connection = await supervisor.wait_connected()
+        if connection.transport is not None:
+            # Decoded as the consumer decodes: a message with a property or header
+            # name that is not UTF-8 is shown escaped, not a broker error.
+            take_frames(connection.transport.connection)
+        yield connection
     finally:
         await supervisor.close()
 

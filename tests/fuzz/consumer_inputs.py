@@ -14,7 +14,7 @@ import collections
 import datetime as dt
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hypothesis import strategies as st
@@ -32,6 +32,7 @@ from tests.fuzz.consumer_model import (
     ERRORS,
     REJECT_REASONS,
     RETRY_DELAYS,
+    UNDECODABLE,
     Act,
     Action,
     Annotation,
@@ -42,6 +43,7 @@ from tests.fuzz.consumer_model import (
     json_body,
     predict,
 )
+from tests.support.amqp import MARK, PLACEHOLDER_TIME
 
 __all__ = (
     "COPY_LIMIT",
@@ -287,7 +289,7 @@ def messages(draw: st.DrawFn, index: int, earlier_ids: list[str]) -> MessageSpec
         properties["type"] = draw(st.text(max_size=20))
         properties["reply_to"] = draw(st.text(max_size=20))
         properties["timestamp"] = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
-    return MessageSpec(
+    message = MessageSpec(
         key=f"k{index}",
         body_kind=kind,
         body=body,
@@ -296,6 +298,37 @@ def messages(draw: st.DrawFn, index: int, earlier_ids: list[str]) -> MessageSpec
         headers=headers,
         script=script,
         properties=properties,
+    )
+    if draw(st.integers(0, 12)) == 0:
+        return spoil(message, draw(st.sampled_from(list(UNDECODABLE))))
+    return message
+
+
+def spoil(message: MessageSpec, what: str) -> MessageSpec:
+    """``message`` with ``what`` (a key of `UNDECODABLE`) as bytes pamqp cannot decode.
+
+    Its id is made unique (it never goes through de-duplication, so a duplicate
+    of it would be handled, not skipped).
+    """
+    message_id = f"u{message.key}-{uuid.uuid4().hex[:8]}"
+    headers, properties = dict(message.headers), dict(message.properties)
+    content_type = message.content_type
+    match what:
+        case "message_id":
+            message_id = f"{message_id}-{MARK}"
+        case "content_type":
+            content_type = MARK
+        case "header_name":
+            headers[MARK] = 1
+        case "timestamp":
+            properties["timestamp"] = PLACEHOLDER_TIME
+    return replace(
+        message,
+        message_id=message_id,
+        headers=headers,
+        properties=properties,
+        content_type=content_type,
+        undecodable=what,
     )
 
 
@@ -360,7 +393,7 @@ def runs(
     for index in range(draw(st.integers(*size))):
         message = draw(messages(index, ids))
         batch.append(message)
-        if message.message_id:
+        if message.message_id and message.undecodable is None:
             ids.append(message.message_id)
     run = Run(config, batch)
     while _sleeps(run) > SLEEP_BUDGET:  # keep it bounded: turn sleeps into errors
@@ -555,4 +588,9 @@ def catalogue(policy: AckPolicy) -> Run:
     add([Action(Act.RETURN)], message_id="")
     add([Action(Act.RAISE, error="KeyError"), Action(Act.RETURN)], message_id="twin")
     add([Action(Act.RETURN)], message_id="twin")
+    for what in UNDECODABLE:
+        add([Action(Act.RETURN)])
+        batch[-1] = spoil(batch[-1], what)
+    add([Action(Act.RETURN)], body_kind=BodyKind.HUGE, body=samples[BodyKind.HUGE])
+    batch[-1] = spoil(batch[-1], "header_name")  # no copy: the broker dead-letters it as is
     return Run(config, batch)

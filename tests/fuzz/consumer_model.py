@@ -34,6 +34,7 @@ __all__ = (
     "MessageSpec",
     "Prediction",
     "Terminal",
+    "UNDECODABLE",
     "initial_attempt",
     "json_body",
     "outcome_of",
@@ -108,6 +109,15 @@ class Act(enum.StrEnum):
     NACK_DROP = "nack_drop"  # delivery.nack(requeue=False): the broker dead-letters it
     NACK_THEN = "nack_then"  # 1st delivery of an attempt: nack(requeue=True); redelivered: `then`
 
+
+# What another client can send that AMQP forbids and the broker lets through (a
+# string not UTF-8, a timestamp in microseconds) -> the DLQ's error type.
+UNDECODABLE: dict[str, str] = {
+    "message_id": "UnicodeDecodeError",
+    "content_type": "UnicodeDecodeError",
+    "header_name": "UnicodeDecodeError",
+    "timestamp": "ValueError",
+}
 
 # Errors a handler raises: name -> the type name the DLQ headers must show.
 ERRORS: dict[str, str] = {
@@ -204,6 +214,7 @@ class MessageSpec:
     headers: dict[str, Any]
     script: list[Action]
     properties: dict[str, Any] = field(default_factory=dict)
+    undecodable: str | None = None  # one of UNDECODABLE: sent as raw bytes pamqp cannot decode
 
     @property
     def big_header(self) -> bool:
@@ -214,7 +225,7 @@ class MessageSpec:
         return (
             f"Msg({self.key}, {self.body_kind.value}[{len(self.body)}], ct={self.content_type!r}, "
             f"id={self.message_id!r:.40}, headers={headers}, props={self.properties}, "
-            f"script={self.script})"
+            f"script={self.script}, undecodable={self.undecodable})"
         )
 
 
@@ -313,6 +324,17 @@ def predict(message: MessageSpec, config: Config) -> Prediction:
         return end
 
     p.delivered += 1
+    if message.undecodable is not None:  # before anything else: the handler never runs
+        p.on_arrival = True
+        p.terminal = copy_or_broker(
+            Terminal(
+                End.DLQ,
+                DeadLetterReason.INVALID_PROPERTIES,
+                UNDECODABLE[message.undecodable],
+                attempt,
+            )
+        )
+        return p
     if attempt > config.max_attempts:
         p.on_arrival = True
         p.terminal = copy_or_broker(

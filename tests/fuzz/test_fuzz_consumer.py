@@ -8,7 +8,9 @@ them: random bodies (valid and invalid for the handler's annotation, deep
 JSON, non-UTF-8, larger than the consumer may republish), hostile headers (an
 ``x-reliable-mq-attempt`` that is negative, a string, huge; odd
 ``x-delivery-count``; forged reason headers; a header table near
-``frame_max``), missing, empty and duplicate message ids. Every message
+``frame_max``), missing, empty and duplicate message ids; and, as raw bytes,
+a message id, content type or header name that is not UTF-8 or a timestamp
+in microseconds, which pamqp cannot decode (``invalid_properties``). Every message
 carries a script of handler behaviour, one step per attempt: return; raise
 anything (``RecursionError``, ``MemoryError``, ``CancelledError``,
 ``GeneratorExit``, a ``BaseException`` of its own, an exception whose
@@ -65,6 +67,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from reliable_mq import ConnectionSettings, PublisherSettings
+from reliable_mq._inbound import take_frames
 from reliable_mq.consumer import ConsumerStats, ReliableConsumer
 from reliable_mq.handlers import AckPolicy
 from reliable_mq.headers import (
@@ -94,6 +97,7 @@ from tests.fuzz.consumer_model import (
     outcome_of,
     predict,
 )
+from tests.support.amqp import hostile_frames
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -132,7 +136,11 @@ async def _publish(channel: aio_pika.abc.AbstractChannel, queue: str, m: Message
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         **m.properties,
     )
-    await channel.default_exchange.publish(message, routing_key=queue)
+    if m.undecodable is None:
+        await channel.default_exchange.publish(message, routing_key=queue)
+        return
+    with hostile_frames():
+        await channel.default_exchange.publish(message, routing_key=queue)
 
 
 async def _counts(channel: aio_pika.abc.AbstractChannel, queues: tuple[str, ...]) -> int:
@@ -183,6 +191,11 @@ async def _collect(topology: QueueTopology, outcome: Outcome) -> None:
     """Drain retry and work queues until a pass finds nothing (TTLs move messages), then the DLQ."""
     connection = await aio_pika.connect(URL)
     async with connection:
+        # Messages the broker dead-lettered as they were, or left unconsumed, may not
+        # decode with pamqp (`MessageSpec.undecodable`): decode as the consumer does.
+        transport = connection.transport
+        assert transport is not None
+        assert take_frames(transport.connection), "aiormq's frame receiver was not found"
         channel = await connection.channel()
         names = [*topology.retry_queues, topology.queue]
         empty_passes = 0

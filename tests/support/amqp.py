@@ -1,25 +1,66 @@
-"""Small AMQP helpers for tests: wait for a broker, drain a queue."""
+"""Small AMQP helpers for tests: wait for a broker, drain a queue, send what pamqp cannot."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeVar
+from unittest import mock
 
 import aio_pika
+import pamqp.frame
 from aio_pika.abc import AbstractIncomingMessage
 
 from reliable_mq._sync import run_sync
 
 __all__ = (
+    "ESCAPED",
+    "MARK",
+    "NOT_UTF8",
+    "PLACEHOLDER_TIME",
     "DrainedMessage",
     "drain_queue",
     "drain_queue_sync",
+    "hostile_frames",
     "run_sync",
     "wait_for_amqp",
     "wait_for_amqp_sync",
 )
 
 _T = TypeVar("_T")
+
+MARK = "<<BAD>>"
+"""A placeholder to write in a string; `hostile_frames` swaps it for `NOT_UTF8`
+(the same length: every length field of the frame stays right)."""
+NOT_UTF8 = b"\xff\xfeb\xc3(d\x80"
+ESCAPED = "\\xff\\xfeb\\xc3(d\\x80"
+"""`NOT_UTF8` as reliable_mq shows it: backslash-escaped."""
+PLACEHOLDER_TIME = datetime.datetime.fromtimestamp(1_234_567_890, datetime.UTC)
+"""A timestamp `hostile_frames` swaps for the same time in microseconds (year 41,091)."""
+_SWAPS = {
+    MARK.encode(): NOT_UTF8,
+    struct.pack(">Q", 1_234_567_890): struct.pack(">Q", 1_234_567_890 * 1_000_000),
+}
+
+
+@contextmanager
+def hostile_frames() -> Iterator[None]:
+    """aio-pika's frames with `MARK` and `PLACEHOLDER_TIME` swapped as they are marshalled:
+    what another client (any language) can send, since the broker checks neither UTF-8
+    nor dates. Every frame of the process is swapped meanwhile: publish only there."""
+    marshal = pamqp.frame.marshal
+
+    def swapped(frame: Any, channel: int) -> bytes:
+        data = marshal(frame, channel)
+        for old, new in _SWAPS.items():
+            data = data.replace(old, new)
+        return data
+
+    with mock.patch.object(pamqp.frame, "marshal", swapped):
+        yield
 
 
 class DrainedMessage(NamedTuple):
