@@ -187,10 +187,6 @@ def _queue_counts(url: str, queue: str) -> tuple[int, int]:
     return run_sync(go)
 
 
-def _ready_messages(url: str, queue: str) -> int:
-    return _queue_counts(url, queue)[0]
-
-
 def _consumers(url: str, queue: str) -> int:
     return _queue_counts(url, queue)[1]
 
@@ -343,11 +339,13 @@ class TestWorkers:
         assert took < WORKER_ORPHAN_BOUND
 
     def test_a_worker_that_ignores_the_drain_is_killed_after_the_graceful_timeout(
-        self, start_runner: Callable[..., Runner], broker_url: str, rqueue: str
+        self, start_runner: Callable[..., Runner], broker_url: str, rqueue: str, tmp_path: Path
     ) -> None:
         """SIGTERM with a handler that never ends: SIGKILL after --graceful-timeout, exit 1,
         and the broker requeues the delivery the killed worker held."""
         graceful = 3.0
+        out = tmp_path / "out"
+        out.mkdir()
         runner = start_runner(
             f"{TARGET}:stubborn",
             "--metrics-port",
@@ -355,12 +353,15 @@ class TestWorkers:
             "--graceful-timeout",
             str(graceful),
             RUNNER_TEST_QUEUE=rqueue,
+            RUNNER_TEST_OUT=str(out),
         )
         runner.wait_port()
         report = wait_for(lambda: (r := runner.readiness()) and r["ready"] and r, 90, "readiness")
         [pid] = [worker["pid"] for worker in report["workers"]]
         _publish(broker_url, rqueue, ["stuck"])
-        wait_for(lambda: _ready_messages(broker_url, rqueue) == 0, 30, "the delivery")
+        # In the handler, not only sent by the broker: a SIGTERM between the two would
+        # find no handler to wait for (the delivery goes back, the worker exits 0).
+        wait_for(lambda: _handled(out) == ["stuck"], 30, "the handler to start")
         runner.process.send_signal(signal.SIGTERM)
         asked = time.monotonic()
         code = runner.process.wait(60)

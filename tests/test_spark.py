@@ -511,6 +511,7 @@ class TestForeachBatch:
         """A rate source for a few batches: every row once, headers name its batch."""
         reports: list[PublishReport] = []
         spec = _spec(broker_url, spark_queue, key_columns=("value",), header_columns=())
+        sink = foreach_batch_sink(spec, on_report=reports.append)
         stream = (
             spark.readStream.format("rate")
             .option("rowsPerSecond", 200)
@@ -518,7 +519,7 @@ class TestForeachBatch:
             .load()
         )
         query = (
-            stream.writeStream.foreachBatch(foreach_batch_sink(spec, on_report=reports.append))
+            stream.writeStream.foreachBatch(sink)
             .option("checkpointLocation", str(tmp_path / "checkpoint"))
             .trigger(processingTime="1 second")
             .start()
@@ -530,7 +531,10 @@ class TestForeachBatch:
                 assert query.exception() is None, query.exception()
                 time.sleep(0.2)
         finally:
-            query.stop()
+            # Between batches: a plain query.stop() landing mid-batch (likely on a
+            # loaded machine, where batches run back to back) kills its tasks, and
+            # the messages they had published belong to no report.
+            assert sink.stop(query, timeout=60)
         messages = drain_queue_sync(broker_url, spark_queue)
         ids = _ids(messages)
         assert len(messages) == sum(r.rows for r in reports) > 0

@@ -47,7 +47,7 @@ from reliable_mq import (
 )
 from reliable_mq.dedup import ClaimResult, DedupStore, MemoryDedupStore
 from reliable_mq.delivery import Delivery
-from reliable_mq.testing import LossOracle, OracleReport
+from reliable_mq.testing import LossOracle, OracleReport, TCPProxy
 from reliable_mq.topology import QueueTopology, QueueType, declare_topology, delete_topology
 from tests.support.amqp import drain_queue
 
@@ -528,6 +528,27 @@ class Faults:
             )
 
         return run
+
+    async def cut_with_unconfirmed(self, proxy: TCPProxy) -> int:
+        """Cut the publisher's link through ``proxy`` while it holds messages no confirm can reach.
+
+        A cut at a random moment catches a message unconfirmed only by luck: the
+        stream is paced and a confirm takes well under a millisecond, so CI has
+        seen a storm of cuts with nothing to republish. Here the link is stalled
+        first (bytes held, not lost), the stream publishes on into it, and the
+        cut lands once it has: a message written after the stall began cannot
+        have been confirmed, so it must be republished on the next channel.
+        Returns the number of connections cut.
+        """
+        proxy.set_stall(True)
+        try:
+            since = self.publisher.stats().published
+            await wait_for(
+                lambda: self.stop.is_set() or self.publisher.stats().published > since, 30
+            )
+            return await proxy.cut()
+        finally:
+            proxy.set_stall(False)
 
 
 class StreamRun:

@@ -5,7 +5,8 @@ handled message id is appended to ``<pid>.log`` before the handler returns
 (so before its ack); ``RUNNER_TEST_SLEEP``: seconds each handler takes.
 
 ``stubborn`` is a consumer whose handler ignores the graceful stop (it
-swallows cancellation and sleeps on), so only SIGKILL ends its worker.
+swallows cancellation and sleeps on), so only SIGKILL ends its worker; it
+notes each id in ``RUNNER_TEST_OUT`` as it starts handling it.
 """
 
 from __future__ import annotations
@@ -23,18 +24,21 @@ SLEEP = float(os.environ.get("RUNNER_TEST_SLEEP", "0"))
 router = Router()
 
 
+def _note(message_id: str) -> None:
+    """Append ``message_id`` to ``<OUT>/<pid>.log`` (if OUT is set)."""
+    if not OUT:
+        return
+    fd = os.open(os.path.join(OUT, f"{os.getpid()}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, f"{message_id}\n".encode())
+    finally:
+        os.close(fd)
+
+
 @router.handler(QUEUE)
 async def handle(body: bytes, delivery: Delivery) -> None:
     await asyncio.sleep(SLEEP)
-    if OUT:
-        line = f"{delivery.message_id}\n".encode()
-        fd = os.open(
-            os.path.join(OUT, f"{os.getpid()}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
-        )
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+    _note(delivery.message_id)
 
 
 consumer = ReliableConsumer(
@@ -51,6 +55,7 @@ stubborn_router = Router()
 
 @stubborn_router.handler(QUEUE)
 async def ignore_the_drain(body: bytes, delivery: Delivery) -> None:
+    _note(delivery.message_id)  # the handler holds it (a test waits for this)
     while True:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(3600)
