@@ -129,7 +129,7 @@ async def requeue_dead(
             query += f" AND id IN ({','.join('?' * len(ids))})"
             params = tuple(int(i) for i in ids)
         else:
-            query += " AND id = ANY(%s)"
+            query += " AND id = ANY(%s::bigint[])"
             params = ([int(i) for i in ids],)
     (rows,) = await _execute(database, [(query + " RETURNING id", params)])
     return len(rows)
