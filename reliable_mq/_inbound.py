@@ -277,11 +277,12 @@ def decode_frame(head: bytes, rest: bytes) -> tuple[int, int, Any]:
         used = size + 8
         if kind == _BODY:
             return used, channel, ContentBody(rest[:size])
+        payload = rest[:size]  # a field that overruns must not read the frame-end byte
         try:
-            if kind == _METHOD and rest.startswith(_DELIVER):
-                return used, channel, _deliver(rest)
+            if kind == _METHOD and payload.startswith(_DELIVER):
+                return used, channel, _deliver(payload)
             if kind == _HEADER:
-                header = _content_header(rest)
+                header = _content_header(payload)
                 if header is not None:
                     return used, channel, header
         except Exception:  # a string not UTF-8, a bad timestamp, or a damaged frame
