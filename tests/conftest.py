@@ -2,6 +2,11 @@
 
 Under CI (``CI=true``) a missing broker fails the run; on a laptop without one
 the broker tests skip, and say so.
+
+Hypothesis: under CI every property test runs a fixed set of examples (the
+``ci`` profile, ``derandomize``), so a CI run can be repeated exactly; anywhere
+else each run draws new ones (and ``FUZZ_RANDOM=1`` makes the fuzz tier explore
+too). A counterexample found while exploring becomes an ``@example``.
 """
 
 from __future__ import annotations
@@ -14,12 +19,17 @@ from collections.abc import AsyncIterator, Iterator
 import aio_pika
 import pytest
 import structlog
+from hypothesis import settings
 from prometheus_client import CollectorRegistry
 
 from reliable_mq.testing import TCPProxy
 from tests.support.amqp import wait_for_amqp_sync
 
 pytest_plugins = ["tests.support.spark"]  # the shared SparkSession (spark, spark_queue)
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI") and not os.environ.get("FUZZ_RANDOM"):
+    settings.load_profile("ci")
 
 BROKER_URL = os.environ.get("RELIABLE_MQ_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
 BROKER_PORT = 5672

@@ -205,6 +205,15 @@ class TestDecodeFrame:
         raw[index] = data.draw(st.integers(0, 255), label="byte")
         assert_same_or_undecodable(bytes(raw))
 
+    def test_long_string_overrunning_its_table(self) -> None:
+        """Found by hypothesis: a long string whose length runs past its table and the
+        payload reads nothing of the frame-end byte (pamqp gives an empty string)."""
+        raw = bytes.fromhex(
+            "02000100000020003c0000000000000000000a6000013000"
+            "00000c013062000230305301000000ce"
+        )
+        assert_same(raw)
+
     def test_two_flag_words_go_to_pamqp(self) -> None:
         """A header whose flags continue into a second word is left to pamqp."""
         raw = bytearray(pamqp.frame.marshal(ContentHeader(0, 5, Basic.Properties()), 3))

@@ -561,6 +561,7 @@ def _fuzz(examples: int, fixed_seed: int) -> Callable[[Test], Test]:
         phases=[Phase.explicit, Phase.reuse, Phase.generate],  # no shrinking: a run is big
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         print_blob=True,
+        derandomize=False,  # the CI profile's derandomize would override the seed below
         **fixed,
     )
 
