@@ -411,6 +411,15 @@ class TestFairness:
             await backend.close()
 
 
+async def refusing_queue(amqp: aio_pika.abc.AbstractChannel) -> aio_pika.abc.AbstractQueue:
+    """A queue the broker nacks every publish to (length 0, ``reject-publish``)."""
+    return await amqp.declare_queue(
+        f"full-{uuid.uuid4().hex[:8]}",
+        durable=True,
+        arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+    )
+
+
 class TestAttempts:
     async def test_a_nacked_row_backs_off_then_goes_dead_blocking_only_its_key(
         self,
@@ -425,10 +434,8 @@ class TestAttempts:
         After ``max_attempts`` nacked dispatches the head is dead with its
         reason, and only then does K's next row go out.
         """
-        full = f"full-{uuid.uuid4().hex[:8]}"
-        refusing = await amqp.declare_queue(
-            full, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
-        )
+        refusing = await refusing_queue(amqp)
+        full = refusing.name
         await write(
             pg.dsn,
             table,
@@ -491,10 +498,8 @@ class TestAttempts:
         amqp: aio_pika.abc.AbstractChannel,
     ) -> None:
         """``max_attempts=None``: a row nacked again and again stays pending."""
-        full = f"full-{uuid.uuid4().hex[:8]}"
-        refusing = await amqp.declare_queue(
-            full, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
-        )
+        refusing = await refusing_queue(amqp)
+        full = refusing.name
         await write(pg.dsn, table, [{"routing_key": full, "message_id": "K1"}])
         try:
             async with relay_for(
@@ -569,10 +574,8 @@ class TestMetrics:
         amqp: aio_pika.abc.AbstractChannel,
     ) -> None:
         """Every outbox metric, read from the relay's registry while it runs and after."""
-        full = f"full-{uuid.uuid4().hex[:8]}"
-        refusing = await amqp.declare_queue(
-            full, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
-        )
+        refusing = await refusing_queue(amqp)
+        full = refusing.name
         await write(
             pg.dsn,
             table,
