@@ -66,6 +66,13 @@ def add_outbox_arguments(parser: argparse.ArgumentParser) -> None:
         "publish committed outbox rows with confirms until SIGTERM/SIGINT (then exit 0)",
     )
     relay.add_argument("--batch-size", type=positive_int, default=500)
+    relay.add_argument(
+        "--lanes",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="PostgreSQL: batches in flight at once, one connection each (default: 2)",
+    )
     relay.add_argument("--poll-interval", type=positive_float, default=1.0, metavar="SECONDS")
     relay.add_argument(
         "--listen",
@@ -133,6 +140,7 @@ async def _relay(args: argparse.Namespace) -> int:
         chosen["max_attempts"] = args.max_attempts
     settings = RelaySettings(
         batch_size=args.batch_size,
+        lanes=args.lanes,
         poll_interval=args.poll_interval,
         listen=args.listen,
         keep_sent=args.keep_sent,

@@ -76,6 +76,13 @@ class RelaySettings(_Settings):
         le=100_000,
         description="ordering keys (and unkeyed rows) looked at per claim; default 4 x batch_size",
     )
+    lanes: int = Field(
+        default=2,
+        ge=1,
+        le=16,
+        description="PostgreSQL: batches in flight at once, each on its own connection, so one "
+        "claims and commits while another waits for confirms (SQLite: always 1)",
+    )
     listen: bool = Field(default=True, description="wake on LISTEN/NOTIFY (PostgreSQL)")
     poll_interval: float = Field(
         default=1.0, gt=0, le=3600, description="seconds between polls when idle"
@@ -186,7 +193,10 @@ class OutboxRelay:
         self.table = check_table_name(table)
         self.name = name or f"relay-{os.getpid()}-{secrets.token_hex(3)}"
         self.dialect = dialect_of(database)
-        self._backend = self._make_backend(database)
+        lanes = self.settings.lanes if self.dialect is Dialect.POSTGRES else 1
+        self._lanes = [self._make_backend(database, lane) for lane in range(lanes)]
+        self._backend = self._lanes[0]
+        """Lane 0: also listens, measures the backlog and cleans up."""
         self._own_publisher = not isinstance(publisher, ReliablePublisher)
         if isinstance(publisher, ReliablePublisher):
             self._publisher = publisher
@@ -221,7 +231,7 @@ class OutboxRelay:
         self._pending = 0
         self._oldest_age = 0.0
 
-    def _make_backend(self, database: str | os.PathLike[str]) -> Backend:
+    def _make_backend(self, database: str | os.PathLike[str], lane: int) -> Backend:
         s = self.settings
         backoff = (s.retry_backoff_initial, s.retry_backoff_max)
         if self.dialect is Dialect.SQLITE:
@@ -242,11 +252,11 @@ class OutboxRelay:
             os.fspath(database),
             table=self.table,
             scan_limit=s.effective_scan_limit,
-            listen=s.listen,
+            listen=s.listen and lane == 0,
             keep_sent=s.keep_sent,
             retry_backoff=backoff,
             transaction_timeout=s.transaction_timeout or s.publish_timeout + 30,
-            application_name=f"reliable-mq-outbox-{self.name}"[:63],
+            application_name=f"reliable-mq-outbox-{self.name}{f'-{lane}' if lane else ''}"[:63],
         )
 
     # -- life cycle -------------------------------------------------------------------
@@ -281,7 +291,8 @@ class OutboxRelay:
     async def close(self) -> None:
         """Stop, release a batch in progress (its rows stay pending) and disconnect."""
         self._stopping.set()
-        await self._backend.close()
+        for backend in self._lanes:
+            await backend.close()
         if self._own_publisher:
             await self._publisher.close(timeout=5)
         if self._started:
@@ -320,21 +331,42 @@ class OutboxRelay:
         relay pauses (doubling up to ``reconnect_delay_max``) before the next.
         After a batch that held rows the relay claims again at once (a key's
         next row may be claimable now); it waits for a notification or
-        ``poll_interval`` only when a claim finds nothing.
+        ``poll_interval`` only when a claim finds nothing. On PostgreSQL,
+        ``settings.lanes`` such loops run at once, each with its own
+        connection and batch; they share the publisher, and a key's rows still
+        go out one at a time, as between relays.
 
         Raises:
             OutboxError: the table does not exist (at start or later).
         """
         await self.start()
+        lanes = [
+            asyncio.ensure_future(self._lane(backend, housekeeping=backend is self._backend))
+            for backend in self._lanes
+        ]
+        try:
+            done, _ = await asyncio.wait(lanes, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for lane in lanes:
+                lane.cancel()
+            await asyncio.gather(*lanes, return_exceptions=True)
+        for lane in done:
+            error = None if lane.cancelled() else lane.exception()
+            if error is not None:
+                raise error
+
+    async def _lane(self, backend: Backend, *, housekeeping: bool) -> None:
+        """One loop of ``run()``: claim, publish, finish, on ``backend``'s connection."""
         failures = 0
         while not self._stopping.is_set():
             try:
-                await self._housekeeping()
-                handled = await self.run_once()
+                if housekeeping:
+                    await self._housekeeping()
+                handled = await self._batch(backend)
                 failures = 0
             except OutboxUnavailable as exc:
                 failures += 1
-                await self._outage(exc, failures)
+                await self._outage(backend, exc, failures)
                 continue
             if self._broker_down:
                 await self._broker_pause()
@@ -347,17 +379,20 @@ class OutboxRelay:
         Raises:
             OutboxUnavailable: the database failed; the batch's rows stay pending.
         """
-        await self._backend.open()  # after an outage; nothing to do when connected
-        self._backend.forget_notifications()
+        return await self._batch(self._backend)
+
+    async def _batch(self, backend: Backend) -> int:
+        await backend.open()  # after an outage; nothing to do when connected
+        self._backend.forget_notifications()  # lane 0 listens for every lane
         started = time.monotonic()
-        rows = await self._backend.claim(self.settings.batch_size)
+        rows = await backend.claim(self.settings.batch_size)
         if not rows:
             return 0
         try:
             results = await self._publish_rows(rows)
-            await self._backend.finish(results)
+            await backend.finish(results)
         except BaseException:
-            await self._backend.abandon()
+            await backend.abandon()
             raise
         self._count(results, time.monotonic() - started)
         return len(rows)
@@ -382,13 +417,13 @@ class OutboxRelay:
                 task.cancel()
             await asyncio.gather(stop, work, return_exceptions=True)
 
-    async def _outage(self, exc: OutboxUnavailable, failures: int) -> None:
+    async def _outage(self, backend: Backend, exc: OutboxUnavailable, failures: int) -> None:
         self._outages += 1
         delay = self._outage_delay(failures)
         self._log.warning(
             "outbox_database_unavailable", error=error_text(exc), retry_in=round(delay, 2)
         )
-        await self._backend.reset()
+        await backend.reset()
         await self._sleep(delay)
 
     async def _broker_pause(self) -> None:

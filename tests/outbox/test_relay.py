@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import sqlite3
 import time
@@ -409,6 +410,73 @@ class TestFairness:
             assert seen == [["k0", "k1"], ["k2", "k3"], ["k0", "k4"], ["k1", "k2"]]
         finally:
             await backend.close()
+
+
+class _PeakRelay(OutboxRelay):
+    """Counts batches publishing at once; the first waits (up to 2 s) for a second one."""
+
+    in_flight = peak = batches = 0
+    overlap: asyncio.Event | None = None
+
+    async def _publish_rows(self, rows: list[OutboxRow]) -> list[RowResult]:
+        if self.overlap is None:
+            self.overlap = asyncio.Event()
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        if self.in_flight > 1:
+            self.overlap.set()
+        first, self.batches = not self.batches, self.batches + 1
+        try:
+            if first:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(2):
+                        await self.overlap.wait()
+            return await super()._publish_rows(rows)
+        finally:
+            self.in_flight -= 1
+
+
+class TestLanes:
+    @pytest.mark.parametrize("lanes", [1, 2])
+    async def test_lanes_overlap_batches_and_dispatch_each_row_once_in_key_order(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str, lanes: int
+    ) -> None:
+        """``lanes`` batches publish at once (never more); each row goes out once, keys in order."""
+        events: list[dict[str, Any]] = [
+            {"routing_key": queue, "message_id": f"{key}-{n}", "ordering_key": key}
+            for n in range(5)
+            for key in ("a", "b", "c")
+        ]
+        events += [{"routing_key": queue, "message_id": f"u-{n}"} for n in range(600)]
+        await write(pg.dsn, table, events)
+        relay = _PeakRelay(
+            pg.dsn,
+            broker_url,
+            settings=RelaySettings(batch_size=100, lanes=lanes, poll_interval=0.2),
+            table=table,
+            registry=CollectorRegistry(),
+        )
+        async with relay:
+            running = asyncio.ensure_future(relay.run())
+            try:
+                deadline = time.monotonic() + 30
+                while relay.stats().dispatched < len(events):
+                    assert time.monotonic() < deadline and not running.done(), relay.stats()
+                    await asyncio.sleep(0.02)
+            finally:
+                relay.stop()
+                await asyncio.wait_for(running, 10)
+        assert relay.peak == lanes
+        assert relay.stats().dispatched == len(events)
+        drained = [
+            m.message_id or "" for m in await drain_queue(broker_url, queue, idle_timeout=0.5)
+        ]
+        assert sorted(drained) == sorted(str(e["message_id"]) for e in events)  # each exactly once
+        for key in ("a", "b", "c"):
+            assert [m for m in drained if m.startswith(f"{key}-")] == [
+                f"{key}-{n}" for n in range(5)
+            ]
+        assert await _rows(pg.dsn, table) == 0
 
 
 async def refusing_queue(amqp: aio_pika.abc.AbstractChannel) -> aio_pika.abc.AbstractQueue:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -56,17 +57,23 @@ async def relay(config: dict[str, Any]) -> None:
         table=system["outbox"],
         registry=CollectorRegistry(),
     ) as outbox_relay:
-        backend: Any = outbox_relay._backend
-        finish = backend.finish
-
-        async def finish_later(results: Any) -> None:
-            sys.stdout.write(f"published {len(results)}\n")
-            sys.stdout.flush()
-            await asyncio.sleep(config.get("pause_before_delete", 3600))
-            await finish(results)
-
-        backend.finish = finish_later
+        pause = config.get("pause_before_delete", 3600)
+        for lane in outbox_relay._lanes:  # whichever lane's batch comes first
+            backend: Any = lane
+            backend.finish = _paused(backend.finish, pause)
         await outbox_relay.run()
+
+
+def _paused(
+    finish: Callable[[Any], Awaitable[None]], pause: float
+) -> Callable[[Any], Awaitable[None]]:
+    async def finish_later(results: Any) -> None:
+        sys.stdout.write(f"published {len(results)}\n")
+        sys.stdout.flush()
+        await asyncio.sleep(pause)
+        await finish(results)
+
+    return finish_later
 
 
 async def consumer(config: dict[str, Any]) -> None:
