@@ -62,20 +62,37 @@ async def fill(dsn: str, table: str, queue: str, count: int) -> None:
                     await add(conn, BODY, routing_key=queue, table=table)
 
 
-async def relay_rate(dsn: str, url: str, table: str, count: int, window: int, batch: int) -> float:
+async def relay_rate(
+    dsn: str, url: str, table: str, count: int, window: int, batch: int, lanes: int
+) -> float:
+    """``run()``, as deployed, until ``count`` rows are confirmed and deleted."""
+    done = asyncio.Event()
+    dispatched = 0
+
+    def counted(rows: Sequence[OutboxRow]) -> None:
+        nonlocal dispatched
+        dispatched += len(rows)
+        if dispatched >= count:
+            done.set()
+
     relay = OutboxRelay(
         dsn,
         url,
-        settings=RelaySettings(batch_size=batch, listen=False),
+        settings=RelaySettings(batch_size=batch, lanes=lanes, listen=False),
         publisher_settings=PublisherSettings(max_in_flight=window),
         table=table,
         registry=CollectorRegistry(),
+        on_dispatched=counted,
     )
     async with relay:
         started = time.perf_counter()
-        while await relay.run_once():
-            pass
+        running = asyncio.ensure_future(relay.run())
+        finished = asyncio.ensure_future(done.wait())
+        await asyncio.wait((running, finished), return_when=asyncio.FIRST_COMPLETED)
+        finished.cancel()
         seconds = time.perf_counter() - started
+        relay.stop()
+        await running
         assert relay.stats().dispatched == count, relay.stats()
     return count / seconds
 
@@ -177,6 +194,7 @@ async def main() -> None:
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--window", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=1000, help="relay batch size")
+    parser.add_argument("--lanes", type=int, default=RelaySettings().lanes, help="relay lanes")
     parser.add_argument("--latency-events", type=int, default=300)
     parser.add_argument("--interval", type=float, default=0.02, help="seconds between events")
     parser.add_argument("--poll", type=float, default=0.1, help="poll interval without NOTIFY")
@@ -190,11 +208,13 @@ async def main() -> None:
     try:
         rate_direct = await direct(args.url, queue, args.messages, args.window)
         await purge(args.url, queue)
-        await fill(args.dsn, table, queue, args.messages)
-        rate_relay = await relay_rate(
-            args.dsn, args.url, table, args.messages, args.window, args.batch
-        )
-        await purge(args.url, queue)
+        rate_relay: dict[int, float] = {}
+        for lanes in (1, args.lanes):
+            await fill(args.dsn, table, queue, args.messages)
+            rate_relay[lanes] = await relay_rate(
+                args.dsn, args.url, table, args.messages, args.window, args.batch, lanes
+            )
+            await purge(args.url, queue)
         notify = await latency(
             args.dsn, args.url, table, queue, args.latency_events, args.interval, True, args.poll
         )
@@ -212,9 +232,9 @@ async def main() -> None:
 
     print(f"messages={args.messages} body=256B persistent window={args.window} batch={args.batch}")
     print(f"direct ReliablePublisher streaming: {rate_direct:10,.0f} msg/s")
-    print(
-        f"outbox relay:                       {rate_relay:10,.0f} msg/s  ({rate_relay / rate_direct:.2f}x)"
-    )
+    for lanes, rate in rate_relay.items():
+        label = f"outbox relay, {lanes} lane{'s' if lanes > 1 else ''}:"
+        print(f"{label:<36}{rate:10,.0f} msg/s  ({rate / rate_direct:.2f}x)")
     for label, values in (("NOTIFY", notify), (f"polling {args.poll}s", polling)):
         print(
             f"commit-to-confirm {label:>14}: p50 {percentile(values, 0.5):7.1f} ms  "
