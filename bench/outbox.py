@@ -66,15 +66,7 @@ async def relay_rate(
     dsn: str, url: str, table: str, count: int, window: int, batch: int, lanes: int
 ) -> float:
     """``run()``, as deployed, until ``count`` rows are confirmed and deleted."""
-    done = asyncio.Event()
-    dispatched = 0
-
-    def counted(rows: Sequence[OutboxRow]) -> None:
-        nonlocal dispatched
-        dispatched += len(rows)
-        if dispatched >= count:
-            done.set()
-
+    until = Until(count)
     relay = OutboxRelay(
         dsn,
         url,
@@ -82,19 +74,37 @@ async def relay_rate(
         publisher_settings=PublisherSettings(max_in_flight=window),
         table=table,
         registry=CollectorRegistry(),
-        on_dispatched=counted,
+        on_dispatched=until,
     )
-    async with relay:
-        started = time.perf_counter()
-        running = asyncio.ensure_future(relay.run())
-        finished = asyncio.ensure_future(done.wait())
-        await asyncio.wait((running, finished), return_when=asyncio.FIRST_COMPLETED)
-        finished.cancel()
-        seconds = time.perf_counter() - started
-        relay.stop()
-        await running
-        assert relay.stats().dispatched == count, relay.stats()
-    return count / seconds
+    return count / await until.run(relay)
+
+
+class Until:
+    """An ``on_dispatched`` observer that times a relay's ``run()`` until ``count`` rows are out."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.dispatched = 0
+        self.done = asyncio.Event()
+
+    def __call__(self, rows: Sequence[OutboxRow]) -> None:
+        self.dispatched += len(rows)
+        if self.dispatched >= self.count:
+            self.done.set()
+
+    async def run(self, relay: OutboxRelay) -> float:
+        """Seconds from ``run()`` to the last row's commit (then the relay is stopped)."""
+        async with relay:
+            started = time.perf_counter()
+            running = asyncio.ensure_future(relay.run())
+            finished = asyncio.ensure_future(self.done.wait())
+            await asyncio.wait((running, finished), return_when=asyncio.FIRST_COMPLETED)
+            finished.cancel()
+            seconds = time.perf_counter() - started
+            relay.stop()
+            await running  # re-raises what ended run() early
+            assert self.dispatched == self.count, relay.stats()
+        return seconds
 
 
 async def latency(
@@ -147,24 +157,9 @@ async def hot_key_rate(dsn: str, url: str, table: str, queue: str, count: int) -
         async with conn.transaction():
             for _ in range(count):
                 await add(conn, BODY, routing_key=queue, ordering_key="hot", table=table)
-    done = asyncio.Event()
-    dispatched = 0
-
-    def counted(rows: Sequence[OutboxRow]) -> None:
-        nonlocal dispatched
-        dispatched += len(rows)
-        if dispatched >= count:
-            done.set()
-
-    relay = OutboxRelay(dsn, url, table=table, registry=CollectorRegistry(), on_dispatched=counted)
-    async with relay:
-        started = time.perf_counter()
-        running = asyncio.ensure_future(relay.run())
-        await done.wait()
-        seconds = time.perf_counter() - started
-        relay.stop()
-        await running
-    return count / seconds
+    until = Until(count)
+    relay = OutboxRelay(dsn, url, table=table, registry=CollectorRegistry(), on_dispatched=until)
+    return count / await until.run(relay)
 
 
 def percentile(values: list[float], q: float) -> float:
