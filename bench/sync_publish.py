@@ -8,7 +8,9 @@ persistent 256-byte messages:
 2. ``BlockingPublisher.publish()`` one message at a time from 8 threads vs
    pika's ``BlockingConnection`` with ``confirm_delivery()``, one message at a
    time (the usual sync choice; target: >= 5x). pika from 8 threads, one
-   connection each (it is not thread-safe), is printed for reference.
+   connection each (it is not thread-safe), is printed for reference, and so
+   is the async ``publish()`` from 8 coroutines: the same round trips without
+   threads, the ceiling for the blocking facade over it.
 
 CPU is this process's (all threads) per message; the broker's is not counted.
 Compare figures from one run only: rates drift by 25% or more between runs.
@@ -78,6 +80,28 @@ def blocking_stream(queue: str, count: int, threads: int, clock: Clock) -> None:
     with BlockingPublisher(URL, registry=CollectorRegistry()) as publisher:
         with clock:
             publisher.publish_many(_messages(queue, count))
+
+
+def async_coroutines(queue: str, count: int, threads: int, clock: Clock) -> None:
+    """ReliablePublisher.publish(), one confirmed message at a time, from N coroutines.
+
+    The ceiling for the threaded variant: the same round trips, without threads.
+    """
+    settings = PublisherSettings(persistent=True)
+
+    async def run() -> None:
+        async with ReliablePublisher(
+            URL, settings=settings, registry=CollectorRegistry()
+        ) as publisher:
+
+            async def work(n: int) -> None:
+                for _ in range(n):
+                    await publisher.publish(BODY, routing_key=queue)
+
+            with clock:
+                await asyncio.gather(*(work(n) for n in _split(count, threads)))
+
+    asyncio.run(run())
 
 
 def _split(count: int, threads: int) -> list[int]:
@@ -185,6 +209,7 @@ def main() -> None:
         ("async publish_many (stream)", async_stream, args.messages),
         ("BlockingPublisher.publish_many, 1 thread", blocking_stream, args.messages),
         (f"BlockingPublisher.publish(), {args.threads} threads", blocking_threads, args.messages),
+        (f"async publish(), {args.threads} coroutines", async_coroutines, args.messages),
         ("pika confirm_delivery, 1 at a time", pika_one, slow),
         (f"pika confirm_delivery, {args.threads} threads x 1 conn", pika_threads, slow),
     ]
@@ -203,10 +228,14 @@ def main() -> None:
     for name in names:
         print(f"{name:<46} {rate[name]:>10,.0f} {cpu[name]:>11.0f}")
     stream = rate[names[1]] / rate[names[0]]
-    versus_pika = rate[names[2]] / rate[names[3]]
+    versus_pika = rate[names[2]] / rate[names[4]]
+    ceiling = rate[names[3]] / rate[names[4]]
     print(f"blocking publish_many / async stream:   {stream:.2f}x (target >= 0.8x)")
     print(
         f"publish() x{args.threads} threads / pika 1 at a time: {versus_pika:.2f}x (target >= 5x)"
+    )
+    print(
+        f"async publish() x{args.threads} coroutines / pika 1 at a time: {ceiling:.2f}x (ceiling)"
     )
 
 
