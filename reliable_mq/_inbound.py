@@ -60,7 +60,7 @@ import struct
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import aiormq
 import pamqp.frame
@@ -293,30 +293,70 @@ def decode_frame(head: bytes, rest: bytes) -> tuple[int, int, Any]:
     return pamqp.frame.unmarshal(head + rest)
 
 
-def _short_str(data: bytes, offset: int) -> tuple[str, int]:
+class _Reader(Protocol):
+    """How `_read_deliver` and `_read_header` decode strings, tables and timestamps.
+
+    ``where`` names the field, for a reader that notes what it could not decode.
+    """
+
+    def short_str(self, data: bytes, offset: int, where: str) -> tuple[str, int]: ...
+    def table(self, data: bytes, offset: int, where: str) -> tuple[dict[str, Any], int]: ...
+    def timestamp(self, data: bytes, offset: int, where: str) -> tuple[Any, int]: ...
+
+
+def _short_str(data: bytes, offset: int, where: str = "") -> tuple[str, int]:
     end = offset + 1 + data[offset]
     if end > len(data):
         raise ValueError("short string past the end of the frame")
     return data[offset + 1 : end].decode("utf-8"), end
 
 
+class _Strict:
+    """The hot path's reader: UTF-8 or an error, tables and timestamps as pamqp decodes them."""
+
+    __slots__ = ()
+
+    short_str = staticmethod(_short_str)
+
+    @staticmethod
+    def table(data: bytes, offset: int, where: str) -> tuple[dict[str, Any], int]:
+        used, value = decode.field_table(data[offset:])
+        return value, offset + used
+
+    @staticmethod
+    def timestamp(data: bytes, offset: int, where: str) -> tuple[Any, int]:
+        used, value = decode.timestamp(data[offset : offset + 8])
+        return value, offset + used
+
+
+_STRICT = _Strict()
+
+_D = TypeVar("_D", bound=Basic.Deliver)
+_H = TypeVar("_H", bound=ContentHeader)
+
+
 def _deliver(data: bytes) -> Basic.Deliver:
-    consumer_tag, offset = _short_str(data, 4)
-    delivery_tag = _LONGLONG.unpack_from(data, offset)[0]
-    redelivered = bool(data[offset + 8] & 1)
-    exchange, offset = _short_str(data, offset + 9)
-    routing_key, offset = _short_str(data, offset)
-    frame = Basic.Deliver.__new__(Basic.Deliver)  # as pamqp: no validation of what came in
-    frame.consumer_tag = consumer_tag
-    frame.delivery_tag = delivery_tag
-    frame.redelivered = redelivered
-    frame.exchange = exchange
-    frame.routing_key = routing_key
-    return frame
+    # As pamqp: no validation of what came in.
+    return _read_deliver(Basic.Deliver.__new__(Basic.Deliver), data, _STRICT)
 
 
 def _content_header(data: bytes) -> ContentHeader | None:
     """A content header with one flag word (None: more, pamqp decodes it)."""
+    return _read_header(ContentHeader.__new__(ContentHeader), data, _STRICT)
+
+
+def _read_deliver(frame: _D, data: bytes, reader: _Reader) -> _D:
+    """Fill ``frame`` from a ``basic.deliver`` payload."""
+    frame.consumer_tag, offset = reader.short_str(data, 4, "consumer_tag")
+    frame.delivery_tag = _LONGLONG.unpack_from(data, offset)[0]
+    frame.redelivered = bool(data[offset + 8] & 1)
+    frame.exchange, offset = reader.short_str(data, offset + 9, "exchange")
+    frame.routing_key, offset = reader.short_str(data, offset, "routing_key")
+    return frame
+
+
+def _read_header(header: _H, data: bytes, reader: _Reader) -> _H | None:
+    """Fill ``header`` from a content header payload with one flag word (None: more)."""
     class_id, weight, body_size, flags = _HEADER_START.unpack_from(data)
     if flags & 1:
         return None
@@ -327,22 +367,19 @@ def _content_header(data: bytes) -> ContentHeader | None:
         if not flags & flag:
             value = "" if name == "cluster_id" else None
         elif kind == "shortstr":
-            value, offset = _short_str(data, offset)
+            value, offset = reader.short_str(data, offset, name)
         elif kind == "octet":
             value = data[offset]
             offset += 1
         elif kind == "table":
-            used, value = decode.field_table(data[offset:])
-            offset += used
+            value, offset = reader.table(data, offset, "header")
         elif kind == "timestamp":
-            used, value = decode.timestamp(data[offset : offset + 8])
-            offset += used
+            value, offset = reader.timestamp(data, offset, name)
         else:
             return None
         setattr(properties, name, value)
     if offset > len(data):
         raise ValueError("content header past the end of the frame")
-    header = ContentHeader.__new__(ContentHeader)
     header.class_id = class_id
     header.weight = weight
     header.body_size = body_size
@@ -462,54 +499,19 @@ def _decode_escaped(kind: int, data: bytes) -> UndecodableDeliver | UndecodableH
 
 def _escaped_deliver(data: bytes) -> UndecodableDeliver | None:
     escaping = _Escaping()
-    consumer_tag, offset = escaping.short_str(data, 4, "consumer_tag")
-    delivery_tag = _LONGLONG.unpack_from(data, offset)[0]
-    redelivered = bool(data[offset + 8] & 1)
-    exchange, offset = escaping.short_str(data, offset + 9, "exchange")
-    routing_key, offset = escaping.short_str(data, offset, "routing_key")
+    frame = _read_deliver(UndecodableDeliver.__new__(UndecodableDeliver), data, escaping)
     undecodable = escaping.undecodable()
     if undecodable is None:
         return None
-    frame = UndecodableDeliver.__new__(UndecodableDeliver)
-    frame.consumer_tag = consumer_tag
-    frame.delivery_tag = delivery_tag
-    frame.redelivered = redelivered
-    frame.exchange = exchange
-    frame.routing_key = routing_key
     frame.undecodable = undecodable
     return frame
 
 
 def _escaped_header(data: bytes) -> UndecodableHeader | None:
-    class_id, weight, body_size, flags = _HEADER_START.unpack_from(data)
-    if flags & 1:
-        return None
     escaping = _Escaping()
-    properties = Basic.Properties.__new__(Basic.Properties)
-    offset = 14
-    value: Any
-    for name, flag, kind in _PROPERTIES:
-        if not flags & flag:
-            value = "" if name == "cluster_id" else None
-        elif kind == "shortstr":
-            value, offset = escaping.short_str(data, offset, name)
-        elif kind == "octet":
-            value = data[offset]
-            offset += 1
-        elif kind == "table":
-            value, offset = escaping.table(data, offset, "header")
-        elif kind == "timestamp":
-            value, offset = escaping.timestamp(data, offset, name)
-        else:
-            return None
-        setattr(properties, name, value)
+    header = _read_header(UndecodableHeader.__new__(UndecodableHeader), data, escaping)
     undecodable = escaping.undecodable()
-    if undecodable is None:
+    if header is None or undecodable is None:
         return None
-    header = UndecodableHeader.__new__(UndecodableHeader)
-    header.class_id = class_id
-    header.weight = weight
-    header.body_size = body_size
-    header.properties = properties
     header.undecodable = undecodable
     return header
