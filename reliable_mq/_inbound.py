@@ -405,8 +405,8 @@ def _escape(raw: bytes) -> str:
 class _Escaping:
     """Decodes what pamqp cannot: strings that are not UTF-8 (escaped), bad timestamps (None).
 
-    A second decoder, slower than `_deliver` and `_content_header`, for a frame
-    they could not decode: it notes what it had to escape or drop.
+    The `_Reader` for a frame `_Strict` could not decode (slower): it notes
+    what it had to escape or drop.
     """
 
     __slots__ = ("error", "fields")
