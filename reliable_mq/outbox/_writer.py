@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._codec import encode_body
+from .._wire import encode_headers
 from ..errors import InvalidMessage, MessageTooLarge
+from ._json import headers_json
 from ._schema import DEFAULT_TABLE, Dialect, check_table_name
 from .errors import NotInTransaction, UnsupportedConnection
 
@@ -107,6 +109,8 @@ async def add(
         ordering_key: events with the same key are published one after the
             other, in commit order; ``None``: no order is kept.
         headers: AMQP headers (JSON values: str, int, float, bool, None, lists, maps).
+            Each value keeps its type through storage: a float is published
+            as a float (``1e19`` too), an int as an int.
         content_type: overrides the type inferred from the body.
         correlation_id: the AMQP ``correlation_id`` property.
         message_type: the AMQP ``type`` property.
@@ -118,7 +122,8 @@ async def add(
 
     Raises:
         InvalidMessage: an argument is of the wrong type, too long, or has NUL
-            characters; or headers that are not JSON.
+            characters; or a header that is not JSON, or that AMQP cannot carry
+            (an int beyond 64 bits, a name over 255 bytes), named by its path.
         InvalidBody: the body cannot be encoded (a NaN in JSON data, an object).
         MessageTooLarge: the encoded body is over ``max_body``.
         NotInTransaction: the connection is in autocommit with no transaction open.
@@ -267,14 +272,13 @@ def _prepare(
     ):
         if value is not None:
             properties[name] = _text(name, value)
+    fields = [json.dumps(name) + ":" + json.dumps(value) for name, value in properties.items()]
     if headers is not None:
         if not isinstance(headers, Mapping) or not all(isinstance(k, str) for k in headers):
             raise InvalidMessage("headers must be a mapping with str keys")
-        properties["headers"] = dict(headers)
-    try:
-        encoded = json.dumps(properties, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidMessage(f"headers must be JSON values (no NaN or infinity): {exc}") from None
+        encode_headers(headers)  # what AMQP cannot carry is refused here, not dead at publish
+        fields.append('"headers":' + headers_json(headers))
+    encoded = "{" + ",".join(fields) + "}"
     if "\\u0000" in encoded:
         raise InvalidMessage("headers must not contain NUL characters")
     return _Row(message_id, exchange, routing_key, ordering_key, payload, encoded)
