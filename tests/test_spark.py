@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +88,9 @@ def _spec(url: str, queue: str, **overrides: Any) -> PublishSpec:
 
 
 def _order_id(spec: PublishSpec, i: int) -> str:
-    """The id of row ``i`` of `_orders` (ids from the whole row)."""
-    return message_id_for(spec, {"order_id": i, "customer": f"customer-{i % 7}", "amount": i * 1.5})
+    """The id of row ``i`` of `_orders` (ids from the whole row; ``amount`` is a DECIMAL)."""
+    amount = Decimal(i) * Decimal("1.5")
+    return message_id_for(spec, {"order_id": i, "customer": f"customer-{i % 7}", "amount": amount})
 
 
 def _ids(messages: list[DrainedMessage]) -> Counter[str]:

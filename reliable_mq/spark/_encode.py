@@ -16,7 +16,8 @@ Three flavours:
   null fields are written (``"c":null``) and timestamps keep microseconds.
 * **canonical**: the text ids are made of: object keys sorted, timestamps as
   UTC instants (``...Z``), so two instants of a DST fold never merge, and the
-  text never depends on the session or worker time zone.
+  text never depends on the session or worker time zone; decimals without
+  trailing zeros, so every representation of one value gives one id.
 * **header**: AMQP header values (str, int, float, bool, bytes, None); dates,
   timestamps and decimals as text so no precision is lost.
 """
@@ -212,6 +213,8 @@ def _json(data_type: DataType, path: str, style: _BodyStyle | None) -> Encode:
     if isinstance(data_type, (DoubleType, FloatType)):
         return _float(data_type, path, style)
     if isinstance(data_type, DecimalType):
+        if style is None:
+            return _nullable(decimal_id_text)
         return _nullable(_decimal_text(data_type.scale))
     if isinstance(data_type, BinaryType):
         return _nullable(lambda v: '"' + base64.b64encode(v).decode("ascii") + '"')
@@ -346,6 +349,21 @@ def _decimal_text(scale: int) -> Encode:
     return text
 
 
+def decimal_id_text(value: Decimal) -> str:
+    """A decimal in ids: plain, without trailing zeros, the same for every representation.
+
+    ``Decimal('9.00E-7')`` (as ``collect()`` returns a ``DECIMAL(20,7)``),
+    ``Decimal('9E-7')`` and ``Decimal('0.0000009')`` are all ``0.0000009``;
+    ``1.0000000`` is ``1``; a zero of any scale or sign is ``0``.
+    """
+    if not value.is_finite():
+        raise InvalidBody(f"no canonical form for the decimal {value}")
+    if not value:
+        return "0"
+    text = format(value, "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def _timestamp(path: str, style: _BodyStyle | None) -> Encode:
     zone = dt.UTC if style is None else style.zone
     suffix = "Z" if style is None else ""
@@ -413,7 +431,8 @@ def canonical_value(value: Any) -> str:
     """The canonical text of a Python value, as the schema-directed encoder writes it.
 
     Naive datetimes are taken as TIMESTAMP_NTZ values; pass aware datetimes for
-    TIMESTAMP columns. Decimals keep their exponent: give them the column's scale.
+    TIMESTAMP columns. A decimal is written without trailing zeros, so every
+    representation of one value (any scale) gives the same text.
     """
     if value is None:
         return "null"
@@ -428,7 +447,7 @@ def canonical_value(value: Any) -> str:
     if isinstance(value, str):
         return encode_basestring(value)
     if isinstance(value, Decimal):
-        return format(value, "f")
+        return decimal_id_text(value)
     if isinstance(value, (bytes, bytearray)):
         return '"' + base64.b64encode(value).decode("ascii") + '"'
     if isinstance(value, dt.datetime):

@@ -84,10 +84,21 @@ def plan_publish(spec: PublishSpec, schema: StructType, *, time_zone: str = "UTC
 
     Raises:
         InvalidSettings: the spec names a column the schema lacks.
-        UnsupportedSchema: a column type with no faithful encoding, duplicate
-            column names, or a key/routing-key column of the wrong type.
+        UnsupportedSchema: no columns at all, a column type with no faithful
+            encoding, duplicate column names, or a key/routing-key column of
+            the wrong type.
     """
     names = schema.fieldNames()
+    if not names:
+        raise UnsupportedSchema(
+            [
+                (
+                    "(schema)",
+                    "the DataFrame has no columns: its rows have no body and no id to "
+                    "publish (select at least one column)",
+                )
+            ]
+        )
     _check_columns(spec, names)
     problems = row_problems(schema, _encoded_columns(spec, schema))
     if spec.routing_key_column is not None:
@@ -283,8 +294,10 @@ def message_id_for(spec: PublishSpec, values: Mapping[str, Any]) -> str:
     (``ids="row"``), as PySpark gives them. The id is ``uuid5(spec.namespace,
     canonical text)``; the canonical text is compact JSON with keys sorted,
     timestamps as UTC instants (``"2024-10-27T00:30:00.000000Z"``; pass aware
-    datetimes, naive ones are taken as TIMESTAMP_NTZ), decimals at their scale
-    as plain numbers, binary as base64, NaN/Infinity as strings.
+    datetimes, naive ones are taken as TIMESTAMP_NTZ), decimals as plain
+    numbers without trailing zeros (``Decimal('9.00E-7')``, as ``collect()``
+    returns a ``DECIMAL(20,7)``, and ``Decimal('0.0000009')`` give one id),
+    binary as base64, NaN/Infinity as strings.
     """
     if spec.ids == IdScheme.KEY:
         values = {name: values[name] for name in spec.key_columns}

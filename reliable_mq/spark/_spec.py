@@ -15,7 +15,7 @@ from ..errors import InvalidSettings
 from ..settings import ConnectionSettings, PublisherSettings
 from ._zones import zone_named
 
-__all__ = ("IdScheme", "NonFinite", "PublishSpec")
+__all__ = ("IdScheme", "NonFinite", "PublishSpec", "check_destination_option")
 
 
 class IdScheme(enum.StrEnum):
@@ -273,6 +273,22 @@ def _fields_from_options(options: Mapping[str, str]) -> dict[str, Any]:
 
 _DATA_SOURCE_OPTIONS = frozenset({"check_destination", "path", "checkpointlocation"})
 """Options of the data source itself or of Spark (``checkpointLocation``), not of the spec."""
+
+
+def check_destination_option(options: Mapping[str, str]) -> bool:
+    """The data source's ``check_destination`` option (default true), parsed as strictly as
+    the spec's own booleans: ``"off"`` or a typo is an error, never a silent true.
+
+    Raises:
+        InvalidSettings: the value is not one of true/false, 1/0, yes/no.
+    """
+    value = options.get("check_destination")
+    if value is None:
+        return True
+    try:
+        return _boolean(value)
+    except ValueError as exc:
+        raise InvalidSettings("rabbitmq options", [("check_destination", str(exc))]) from None
 
 
 def _names(value: str) -> list[str]:

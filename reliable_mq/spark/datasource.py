@@ -54,7 +54,7 @@ from ._driver import check_destination, raise_for_stats
 from ._errors import NullKey
 from ._partition import PartitionStats, current_task, publish_partition
 from ._plan import PublishPlan, arrow_rows, plan_publish
-from ._spec import IdScheme, PublishSpec
+from ._spec import IdScheme, PublishSpec, check_destination_option
 
 __all__ = (
     "RabbitMQDataSource",
@@ -106,8 +106,8 @@ class RabbitMQDataSource(DataSource):
             raise InvalidSettings(
                 "rabbitmq options", [("mode", "a queue cannot be overwritten: use mode('append')")]
             )
-        check = options.pop("check_destination", "true").strip().lower() not in ("false", "0")
         spec = PublishSpec.from_options(options)
+        check = check_destination_option(options)
         if spec.ids == IdScheme.KEY:
             raise InvalidSettings(
                 "rabbitmq options",
