@@ -241,6 +241,17 @@ async def _queue_depth(url: str, queue: str) -> int:
         return int(declared.declaration_result.message_count or 0)
 
 
+async def _queue_exists(url: str, queue: str) -> bool:
+    """A passive declare on a channel of its own (404 closes it)."""
+    connection = await aio_pika.connect(url)
+    async with connection:
+        try:
+            await (await connection.channel()).declare_queue(queue, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return False
+        return True
+
+
 async def _dead_letter(url: str, topology: QueueTopology) -> None:
     """Publish one poison order and one malformed body; a real consumer dead-letters both."""
     async with ReliablePublisher(url, registry=CollectorRegistry()) as publisher:
@@ -359,6 +370,48 @@ class TestTopology:
         assert run.stdout.count("deleted,") == len(expected)
         gone = await cli("topology", name, "--retry-delays", "1,5", "--delete", url=broker_url)
         assert gone.code == 1
+
+    async def test_other_delays_on_an_existing_set_exit_1_and_declare_nothing(
+        self, broker_url: str
+    ) -> None:
+        """Issue 19: 2,7 (or 1,5,30,60, or another DLQ) on a 1/5/30 set: exit 1, nothing new.
+
+        --force declares the missing queues next to the old ones.
+        """
+        name = f"test-cli-delays-{uuid.uuid4().hex[:8]}"
+        old = QueueTopology(queue=name, retry_delays=(1.0, 5.0, 30.0))
+        new = QueueTopology(queue=name, retry_delays=(2.0, 7.0))
+        assert (await cli("topology", name, "--retry-delays", "1,5,30", url=broker_url)).code == 0
+        try:
+            run = await cli("topology", name, "--retry-delays", "2,7", url=broker_url)
+            assert run.code == 1, run
+            assert f"{name}.retry.2s, {name}.retry.7s do(es) not" in run.stderr
+            assert f"{name}.dlq exist(s)" in run.stderr
+            assert "other --retry-delays" in run.stderr
+            assert run.stdout == ""
+            for queue in new.retry_queues:
+                assert await _queue_exists(broker_url, queue) is False
+            longer = await cli("topology", name, "--retry-delays", "1,5,30,60", url=broker_url)
+            assert longer.code == 1, longer
+            assert f"{name}.retry.60s do(es) not" in longer.stderr
+            assert await _queue_exists(broker_url, f"{name}.retry.60s") is False
+            other_dlq = await cli(
+                "topology", name, "--retry-delays", "1,5,30", "--dlq", f"{name}.dead",
+                url=broker_url,
+            )  # fmt: skip
+            assert other_dlq.code == 1, other_dlq
+            assert await _queue_exists(broker_url, f"{name}.dead") is False
+            forced = await cli("topology", name, "--retry-delays", "2,7", "--force", url=broker_url)
+            assert forced.code == 0, forced
+            for queue in (*old.all_queues, *new.all_queues):
+                assert await _queue_exists(broker_url, queue), queue
+        finally:
+            for topology in (old, new):
+                await cli("topology", name, "--retry-delays",
+                          ",".join(f"{d:g}" for d in topology.retry_delays),
+                          "--delete", "--ignore-missing", url=broker_url)  # fmt: skip
+        for queue in (*old.all_queues, *new.all_queues):
+            assert await _queue_exists(broker_url, queue) is False
 
     async def test_quorum_topology(self, broker_url: str) -> None:
         """--quorum declares quorum queues (and deletes them again)."""

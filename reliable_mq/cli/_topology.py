@@ -61,7 +61,10 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
         "refuses queues that hold messages unless --force",
     )
     parser.add_argument(
-        "--force", action="store_true", help="with --delete: delete queues with their messages"
+        "--force",
+        action="store_true",
+        help="with --delete: delete queues with their messages; without: declare the missing "
+        "queues of a set that exists with other --retry-delays or --dlq",
     )
     parser.add_argument(
         "--ignore-missing",
@@ -112,6 +115,8 @@ async def run_topology(args: argparse.Namespace) -> int:
             return await _delete(
                 connection, topology, force=args.force, ignore_missing=args.ignore_missing
             )
+        if not args.force:
+            await _refuse_another_set(connection, topology)
         try:
             check = await prepare_topology(connection, topology)
         except ConsumerError as exc:
@@ -134,6 +139,31 @@ async def run_topology(args: argparse.Namespace) -> int:
     if check.adopted:
         say(f"reliable-mq: note: {check.warning(topology)}")
     return EXIT_OK
+
+
+async def _refuse_another_set(connection: AbstractConnection, topology: QueueTopology) -> None:
+    """Refuse, before declaring anything, a set that exists with other delays or another DLQ.
+
+    Retry queues of other delays have other names, so the broker would accept
+    the new ones next to the old. AMQP cannot list queues; but when the work
+    queue and some of its side queues exist while others asked for do not,
+    the set was declared with other settings.
+
+    Raises:
+        CommandFailed: naming the queues that exist and those that do not.
+    """
+    counts = await _message_counts(connection, topology.all_queues)
+    side = topology.side_queues
+    missing = [name for name in side if name not in counts]
+    if topology.queue not in counts or not missing or len(missing) == len(side):
+        return
+    found = [name for name in side if name in counts]
+    raise CommandFailed(
+        f"{topology.queue!r} exists with a queue set of other --retry-delays or --dlq: "
+        f"{', '.join(found)} exist(s), {', '.join(missing)} do(es) not. Nothing declared. "
+        "Give the set's own settings, delete it first (--delete with its settings), or "
+        "--force to declare the missing queues next to the old ones"
+    )
 
 
 async def _delete(
