@@ -98,6 +98,15 @@ _CONNECTION_CODES: dict[type[BaseException], int] = {
 
 _ENTITY = re.compile(r"\b(exchange|queue) '(.*?)' in vhost '")
 
+# aiormq answers a connection.close in reply to connection.open with this text
+# (the close frame's own reply text is lost): the vhost was refused.
+_OPEN_CLOSED = re.compile(r"Expected one of \['Connection\.OpenOk'\], got <Connection\.Close\b")
+
+_VHOST_REFUSED_TEXT = (
+    "NOT_ALLOWED - the broker closed the connection at connection.open: the vhost does "
+    "not exist, this user has no access to it, or its connection limit is reached"
+)
+
 
 class FaultKind(enum.StrEnum):
     """What a lower-layer error means for the caller."""
@@ -114,7 +123,10 @@ class FaultKind(enum.StrEnum):
     Sending the same thing again gets the same answer: never retry it blindly.
     """
     AUTH_REFUSED = "auth_refused"
-    """The broker refused our credentials or vhost at connection time."""
+    """The broker refused our credentials at connection time."""
+    VHOST_REFUSED = "vhost_refused"
+    """The broker refused to open the vhost at connection time (530 ``NOT_ALLOWED``):
+    no such vhost, no access to it for this user, or its connection limit reached."""
     TIMEOUT = "timeout"
     """An operation ran out of time (the link may be stuck)."""
 
@@ -180,6 +192,8 @@ def classify(exc: BaseException) -> Fault | None:
     match exc:
         case AuthenticationError() | ProbableAuthenticationError():
             return Fault(FaultKind.AUTH_REFUSED, 403, text, connection_level=True)
+        case InvalidFrameError() if _OPEN_CLOSED.search(text):
+            return Fault(FaultKind.VHOST_REFUSED, 530, _VHOST_REFUSED_TEXT, connection_level=True)
         case IncompatibleProtocolError():
             return Fault(FaultKind.REFUSED, None, text, connection_level=True)
         case ChannelNotFoundEntity():

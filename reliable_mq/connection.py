@@ -9,8 +9,12 @@ consumer react to explicitly (republish, drop stale delivery tags).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import enum
+import logging
 import random
+from collections.abc import Iterator
 
 import aio_pika
 from aio_pika.abc import AbstractConnection
@@ -29,6 +33,37 @@ _CLOSE_ERRORS: tuple[type[BaseException], ...] = (*AMQP_ERRORS, RuntimeError)
 
 _SHORT_LIFE = 2.0
 """Seconds: a connection lost sooner than this "died young" and delays the next reconnect."""
+
+
+_OUR_CONNECT = contextvars.ContextVar("reliable_mq_connect_attempt", default=False)
+_TRANSPORT_ERROR = "error when creating transport: %r"
+
+
+class _OwnConnectErrors(logging.Filter):
+    """Drops aiormq's ``error when creating transport`` record for a connect attempt of ours.
+
+    aiormq logs that at ERROR and raises the same error; we raise or log it
+    ourselves, so its line would be a stray duplicate (on stderr, through
+    logging's last-resort handler, in an application without logging set up).
+    The context variable limits the filter to our own attempts: other aiormq
+    connections in the process keep their records.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_OUR_CONNECT.get() and record.msg == _TRANSPORT_ERROR)
+
+
+_OWN_CONNECT_ERRORS = _OwnConnectErrors()
+
+
+@contextlib.contextmanager
+def _own_connect_errors() -> Iterator[None]:
+    logging.getLogger("aiormq.connection").addFilter(_OWN_CONNECT_ERRORS)  # once: a no-op after
+    token = _OUR_CONNECT.set(True)
+    try:
+        yield
+    finally:
+        _OUR_CONNECT.reset(token)
 
 
 class ConnectionState(enum.StrEnum):
@@ -104,6 +139,9 @@ class ConnectionSupervisor:
                         f"{self._current_address().redacted}: authentication refused "
                         f"({fault.reply_text})"
                     ) from None
+                if fault is not None and fault.kind is FaultKind.VHOST_REFUSED:
+                    self._state = ConnectionState.CLOSED  # vhosts are cluster-wide
+                    raise BrokerUnavailable(self._vhost_refused()) from None
                 errors.append(f"{self._current_address().redacted}: {_describe(exc)}")
                 self._advance_address()
                 continue
@@ -157,6 +195,14 @@ class ConnectionSupervisor:
         addresses = self._settings.addresses
         return addresses[self._address_index % len(addresses)]
 
+    def _vhost_refused(self) -> str:
+        address = self._current_address()
+        return (
+            f"{address.redacted}: vhost {address.vhost!r} not found, or access to it refused "
+            "(the broker closed the connection when it was opened: the vhost does not exist, "
+            "this user has no permission on it, or its connection limit is reached)"
+        )
+
     def _advance_address(self) -> None:
         self._address_index = (self._address_index + 1) % len(self._settings.addresses)
 
@@ -171,12 +217,13 @@ class ConnectionSupervisor:
             tls = self._settings.tls
             ssl_context = tls.ssl_context() if tls else None
         async with asyncio.timeout(self._settings.connect_timeout):
-            return await aio_pika.connect(
-                url,
-                ssl_context=ssl_context,
-                timeout=self._settings.connect_timeout,
-                client_properties={"connection_name": self._name},
-            )
+            with _own_connect_errors():
+                return await aio_pika.connect(
+                    url,
+                    ssl_context=ssl_context,
+                    timeout=self._settings.connect_timeout,
+                    client_properties={"connection_name": self._name},
+                )
 
     def _set_connected(self, connection: AbstractConnection) -> None:
         self._connection = connection
@@ -252,11 +299,13 @@ class ConnectionSupervisor:
             try:
                 connection = await self._connect_once()
             except AMQP_ERRORS as exc:
+                fault = classify(exc)
+                vhost_refused = fault is not None and fault.kind is FaultKind.VHOST_REFUSED
                 self._log.info(
                     "reconnect_failed",
                     broker=self._current_address().redacted,
                     attempt=attempt,
-                    error=_describe(exc),
+                    error=self._vhost_refused() if vhost_refused else _describe(exc),
                 )
                 self._advance_address()
                 await asyncio.sleep(delay * random.uniform(0.8, 1.2))

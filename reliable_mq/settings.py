@@ -62,6 +62,12 @@ class BrokerAddress:
     def redacted(self) -> str:
         return redact_url(self.url)
 
+    @property
+    def vhost(self) -> str:
+        """The vhost the URL names, read as aiormq reads it (``/`` when the path is empty)."""
+        path = self.url.path
+        return "/" if path in ("", "/") else path[1:].replace("%2F", "/")
+
     def __repr__(self) -> str:
         return f"BrokerAddress({self.redacted!r})"
 

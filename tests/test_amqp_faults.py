@@ -51,6 +51,21 @@ TABLE: list[tuple[BaseException, FaultKind, int | None, bool]] = [
     ),
     (E.ConnectionClosed(403, "ACCESS_REFUSED - vhost"), FaultKind.AUTH_REFUSED, 403, True),
     (E.ProbableAuthenticationError("ACCESS_REFUSED"), FaultKind.AUTH_REFUSED, 403, True),
+    (
+        # aiormq's text for a connection.close in reply to connection.open (no such vhost)
+        E.InvalidFrameError(
+            "Expected one of ['Connection.OpenOk'], got <Connection.Close object at 0x7f3a>"
+        ),
+        FaultKind.VHOST_REFUSED,
+        530,
+        True,
+    ),
+    (
+        E.InvalidFrameError("Expected one of ['Basic.QosOk'], got <x>"),
+        FaultKind.CHANNEL_LOST,
+        None,
+        False,
+    ),
     (E.AMQPConnectionError("reset"), FaultKind.CONNECTION_LOST, None, True),
     (ConnectionResetError("reset by peer"), FaultKind.CONNECTION_LOST, None, True),
     (OSError("unreachable"), FaultKind.CONNECTION_LOST, None, True),
