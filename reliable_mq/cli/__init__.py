@@ -46,7 +46,7 @@ from ._consume import add_consume_arguments, run_consume
 from ._dlq import add_dlq_arguments, run_dlq
 from ._outbox import add_outbox_arguments, run_outbox
 from ._publish import add_bench_arguments, add_publish_arguments, run_bench, run_publish
-from ._run import add_run_arguments, run_run
+from ._run import add_run_arguments, run_run, structured
 from ._topology import add_topology_arguments, run_topology
 
 __all__ = ("COMMANDS", "Command", "build_parser", "main")
@@ -146,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_cli_logging(
-        json_lines=getattr(args, "log_json", False), level=getattr(args, "log_level", "ERROR")
+        json_lines=structured(getattr(args, "log_json", False), sys.stderr),
+        level=getattr(args, "log_level", "ERROR"),
     )
     url = getattr(args, "url", None)
     try:

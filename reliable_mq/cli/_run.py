@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TextIO
 
 from ..errors import InvalidSettings, InvalidTarget
 from ..runner import RunnerOptions, Supervisor, load_consumer
 from ..runner._logs import configure_runner_logging
 from ._common import CLIError, positive_float, positive_int
 
-__all__ = ("add_run_arguments", "run_run")
+__all__ = ("add_run_arguments", "run_run", "structured")
 
 
 def _port(text: str) -> int:
@@ -76,8 +77,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-json",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="JSON lines on stdout, one object per event (default: on)",
+        default=None,
+        help="JSON lines, one object per event (default: JSON where nobody reads a terminal "
+        "(systemd, Kubernetes, a pipe or a file), readable lines on a terminal; decided for "
+        "stdout's logs and stderr's error lines each)",
     )
 
 
@@ -89,8 +92,19 @@ def _importable(app_dir: str) -> str:
     return path
 
 
+def structured(choice: bool | None, stream: TextIO) -> bool:
+    """``--log-json``/``--no-log-json`` as given; unset, JSON unless ``stream`` is a terminal."""
+    if choice is not None:
+        return choice
+    try:
+        return not stream.isatty()
+    except (AttributeError, ValueError):  # replaced or closed: nobody reads a terminal
+        return True
+
+
 async def run_run(args: argparse.Namespace) -> int:
-    configure_runner_logging(json=args.log_json, level=args.log_level)
+    log_json = structured(args.log_json, sys.stdout)
+    configure_runner_logging(json=log_json, level=args.log_level)
     app_dir = _importable(args.app_dir)
     try:
         load_consumer(args.target)  # fail here, once, rather than in every worker
@@ -102,7 +116,7 @@ async def run_run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         http_host=args.http_host,
         graceful_timeout=args.graceful_timeout,
-        log_json=args.log_json,
+        log_json=log_json,
         log_level=args.log_level,
         app_dir=app_dir,
     )
