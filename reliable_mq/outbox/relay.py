@@ -54,14 +54,16 @@ from ..message import Message
 from ..metrics import Metrics
 from ..publisher import ReliablePublisher
 from ..settings import ConnectionSettings, PublisherSettings, _Settings
-from ._backend import Backend, OutboxRow, RowOutcome, RowResult
+from ._backend import Backend, Backlog, OutboxRow, RowOutcome, RowResult
 from ._dsn import describe_database, dialect_of, error_text, sqlite_path
 from ._schema import DEFAULT_TABLE, Dialect, check_table_name
-from .errors import OutboxUnavailable
+from .errors import OutboxError, OutboxUnavailable
 
 __all__ = ("OutboxRelay", "RelaySettings", "RelayStats")
 
 _MAX_REASON = 500
+_STOP_MEASURE_TIMEOUT = 2.0
+"""Seconds ``close()`` waits for the backlog count it logs."""
 
 
 class RelaySettings(_Settings):
@@ -131,7 +133,9 @@ class RelayStats(NamedTuple):
 
     ``deferred`` counts rows put back uncounted because the broker could not be
     reached; ``broker_outages`` the pauses that followed such batches
-    (``outages`` counts database outages).
+    (``outages`` counts database outages). ``pending`` and ``oldest_age`` are
+    the backlog as last measured: every ``stats_interval`` while running, and
+    once more by ``close()``.
     """
 
     batches: int
@@ -289,14 +293,39 @@ class OutboxRelay:
         self._log.info("outbox_relay_started", listening=self._backend.listening)
 
     async def close(self) -> None:
-        """Stop, release a batch in progress (its rows stay pending) and disconnect."""
+        """Stop, release a batch in progress (its rows stay pending) and disconnect.
+
+        The ``outbox_relay_stopped`` line reports the backlog measured at that
+        moment (``pending`` and ``oldest_age`` are ``None`` if the database
+        could not answer within 2 s), not the last periodic measurement.
+        """
         self._stopping.set()
+        measured = self._started and await self._measure_backlog(_STOP_MEASURE_TIMEOUT)
         for backend in self._lanes:
             await backend.close()
         if self._own_publisher:
             await self._publisher.close(timeout=5)
         if self._started:
-            self._log.info("outbox_relay_stopped", **self.stats()._asdict())
+            stats = self.stats()._asdict()
+            if not measured:
+                stats.update(pending=None, oldest_age=None)
+            self._log.info("outbox_relay_stopped", **stats)
+
+    async def _measure_backlog(self, timeout: float) -> bool:
+        """Count the pending rows now (the stats and the gauges); False if the database failed."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._backend.open()
+                backlog = await self._backend.backlog()
+        except (OutboxError, TimeoutError):  # unreachable, or no table (a failed start)
+            return False
+        self._set_backlog(backlog)
+        return True
+
+    def _set_backlog(self, backlog: Backlog) -> None:
+        self._pending, self._oldest_age = backlog.pending, backlog.oldest_age
+        self._pending_gauge.set(backlog.pending)
+        self._age_gauge.set(backlog.oldest_age)
 
     def stop(self) -> None:
         """Ask [run][reliable_mq.outbox.OutboxRelay.run] to return after the current batch."""
@@ -448,10 +477,7 @@ class OutboxRelay:
         now = time.monotonic()
         if now >= self._next_stats:
             self._next_stats = now + self.settings.stats_interval
-            backlog = await self._backend.backlog()
-            self._pending, self._oldest_age = backlog.pending, backlog.oldest_age
-            self._pending_gauge.set(backlog.pending)
-            self._age_gauge.set(backlog.oldest_age)
+            self._set_backlog(await self._backend.backlog())
         if now >= self._next_cleanup:
             self._next_cleanup = now + self.settings.cleanup_interval
             await self.cleanup()
