@@ -7,11 +7,13 @@ cancelling itself, timing out; a shutdown; a dead channel) into an
 ticket, which settles it through `Session.apply`.
 No path leaves a delivery unsettled: every exception is caught and becomes an
 outcome, and a bug of ours is settled by the error path. ``KeyboardInterrupt``
-and ``SystemExit`` from a handler count as a failed attempt too (retried, or
-dead-lettered after ``max_attempts``, so a handler that always exits cannot
-crash-loop its process); the consumer takes no new work, the channel is
-closed, so the broker has the settle before the exception ends the event
-loop, and the exception goes on.
+and ``SystemExit`` from a handler (`Outcome.EXITED`) count as one failed
+attempt too (retried, or dead-lettered after ``max_attempts``, so a handler
+that always exits cannot crash-loop its process). They do not leave the task:
+no new handler starts (`Shared.exited`), and the consumer stops as on
+``stop()`` (deliveries still waiting for a handler slot are requeued, running
+handlers get the grace period), so every other delivery in flight is settled
+once too; ``run()`` then re-raises the exception.
 
 Cancellation is told apart by who asked for it: the watchdog flags the ticket
 (`Ticket.timed_out`) before it cancels; a shutdown sets `Shared.stopping`; a
@@ -53,8 +55,9 @@ __all__ = ("Dispatcher", "int_header")
 
 _EXITS = (KeyboardInterrupt, SystemExit)
 """The only exceptions asyncio lets out of the event loop: a handler raising one
-ends the process. Any other exception from a handler (``GeneratorExit``, a
-``BaseException`` subclass of its own) is a handler error like any other."""
+asks for the process to end (`Outcome.EXITED`). Any other exception from a
+handler (``GeneratorExit``, a ``BaseException`` subclass of its own) is a
+handler error like any other."""
 
 # Causes that carry nothing but their outcome: one shared (frozen) instance each.
 _ACCEPTED = Cause(Outcome.ACCEPTED)
@@ -149,21 +152,15 @@ class Dispatcher:
             if not ticket.settled:
                 await ticket.settle(self._interrupted(session, exc))
             raise
-        except Exception as exc:  # a bug of ours: settle it by the error path all the same
+        except _EXITS as exc:  # not the handler's (that is an outcome): a signal's, say
+            if not ticket.settled:
+                await ticket.settle(self._exited(ticket, exc))
+            else:
+                shared.exited(exc)
+        except BaseException as exc:  # a bug of ours: settle it by the error path all the same
             delivery_log(ticket.delivery).error("consumer_failed", error=repr(exc), exc_info=exc)
             if not ticket.settled:
                 await ticket.settle(Cause(Outcome.RAISED, exc))
-        except BaseException as exc:  # KeyboardInterrupt, SystemExit: the process is to exit
-            # No new handler runs: later deliveries are given back unhandled, and
-            # handlers the loop's end cancels are requeued, not failed.
-            shared.stopping = True
-            if not ticket.settled:
-                # A failed attempt, not a requeue: a handler that always exits
-                # must not crash-loop its process for good (max_attempts: the DLQ).
-                await ticket.settle(Cause(Outcome.RAISED, exc))
-            session.forget(ticket)  # not ours to cancel when the channel closes (interrupt)
-            await session.close_now()  # the settle reaches the broker before the loop ends
-            raise
         finally:
             session.forget(ticket)
             shared.leave()
@@ -178,6 +175,9 @@ class Dispatcher:
         return Cause(Outcome.CANCELLED, exc)
 
     async def _process(self, route: Route, ticket: Ticket, acks_first: bool) -> None:
+        if self.shared.stopping:  # waited for a handler slot while the consumer stopped
+            await ticket.settle(_SHUTDOWN)
+            return
         cause = await self._run(route, ticket, acks_first)
         if cause is None:
             return
@@ -227,8 +227,8 @@ class Dispatcher:
                 body = spec.decode(delivery.body, delivery.content_type)
             except MemoryError as exc:  # not the body's fault, maybe: retry
                 return Cause(Outcome.RAISED, exc)
-            except _EXITS:
-                raise
+            except _EXITS as exc:  # a validator that exits: as from the handler
+                return self._exited(ticket, exc)
             except BaseException as exc:  # BodyDecodeError, a validator's KeyError...
                 return Cause(Outcome.INVALID_BODY, exc)
         if acks_first:
@@ -266,8 +266,8 @@ class Dispatcher:
             return Cause(Outcome.REJECT_SIGNAL, exc, exc.reason)
         except AlreadyProcessed as exc:
             return Cause(Outcome.ALREADY_PROCESSED, exc)
-        except _EXITS:
-            raise  # the process is to exit: _deliver settles the delivery on the way out
+        except _EXITS as exc:
+            return self._exited(ticket, exc)
         except BaseException as exc:  # any Exception, GeneratorExit, a BaseException of its own
             return Cause(Outcome.RAISED, exc)
         finally:
@@ -282,6 +282,18 @@ class Dispatcher:
             # cut short, not done (never mark the id done). _deliver settles it.
             raise asyncio.CancelledError
         return _RETURNED
+
+    def _exited(self, ticket: Ticket, exc: BaseException) -> Cause:
+        """``SystemExit``/``KeyboardInterrupt``: one failed attempt; the consumer stops.
+
+        The exception is not let out of this task (asyncio would end the event
+        loop with it at once, before the settles of this delivery and of every
+        other one in flight reached the broker): the consumer re-raises it once
+        it has stopped cleanly (`ReliableConsumer.run`).
+        """
+        delivery_log(ticket.delivery).error("handler_exited", error=repr(exc)[:300])
+        self.shared.exited(exc)
+        return Cause(Outcome.EXITED, exc)
 
     def _cancelled(self, ticket: Ticket, exc: asyncio.CancelledError) -> Cause:
         task = ticket.task

@@ -61,6 +61,12 @@ class Outcome(enum.StrEnum):
     RAISED = "raised"
     """The handler raised an exception (any ``Exception``: ``RecursionError`` and
     ``MemoryError`` included)."""
+    EXITED = "exited"
+    """The handler raised ``SystemExit`` or ``KeyboardInterrupt`` (plain or async,
+    in any step it runs: the body's validators too). A failed attempt like
+    ``RAISED``, so a handler that always exits ends in the DLQ after
+    ``max_attempts`` restarts of its process; the consumer then stops (see
+    `ReliableConsumer.run`). Any other ``BaseException`` is ``RAISED``."""
     CANCELLED = "cancelled"
     """The handler raised ``CancelledError`` itself: not our timeout, shutdown or
     dead channel (its task was not cancelled). Treated as an error."""
@@ -138,7 +144,7 @@ _ACK = Decision(Settle.ACK)
 _ACK_DONE = Decision(Settle.ACK, mark_done=True)
 _REQUEUE = Decision(Settle.REQUEUE)
 _DEFER = Decision(Settle.DEFER)
-_HANDLER_FAILED = (Outcome.RAISED, Outcome.CANCELLED, Outcome.TIMED_OUT)
+_HANDLER_FAILED = (Outcome.RAISED, Outcome.EXITED, Outcome.CANCELLED, Outcome.TIMED_OUT)
 
 
 def _retry(attempt: int, max_attempts: int) -> Decision:

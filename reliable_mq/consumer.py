@@ -185,6 +185,9 @@ class ReliableConsumer(Router):
         self._started = False
         self._stop_task: asyncio.Task[None] | None = None
         self._stop_requested: asyncio.Event | None = None
+        self._in_run = False
+        self._exit_task: asyncio.Task[None] | None = None
+        self._shared.on_exit = self._on_handler_exit
         if dedup == "memory":
             self._dedup: DedupStore | None = MemoryDedupStore(
                 max_entries=self.settings.dedup_max_entries,
@@ -360,15 +363,55 @@ class ReliableConsumer(Router):
 
         Signal handlers are installed only while ``run()`` runs (main thread
         only) and the previous ones are restored afterwards.
+
+        A handler (plain or async) that raises ``SystemExit`` or
+        ``KeyboardInterrupt`` asks for the process to end: its delivery counts
+        as one failed attempt (retried, or dead-lettered after
+        ``max_attempts``), the consumer stops as on `stop` (handlers still
+        running get ``shutdown_grace``, deliveries not yet in a handler are
+        requeued), and then ``run()`` raises that exception, so
+        ``asyncio.run(consumer.run())`` ends the process with the handler's
+        exit code. Without ``run()`` (``start``/``stop``, ``async with``), the
+        exception is raised in the event loop once the consumer has stopped,
+        as asyncio does for these two: ``asyncio.run()`` ends with it.
+
+        Raises:
+            SystemExit: a handler raised it (the first one, if several did).
+            KeyboardInterrupt: a handler raised it.
         """
-        await self.start()
-        assert self._stop_requested is not None
-        restore = self._install_signal_handlers()
+        self._in_run = True
         try:
-            await self._stop_requested.wait()
+            await self.start()
+            assert self._stop_requested is not None
+            restore = self._install_signal_handlers()
+            try:
+                await self._stop_requested.wait()
+            finally:
+                restore()
+                await self.stop()
         finally:
-            restore()
-            await self.stop()
+            self._in_run = False
+        if self._shared.exit_error is not None:
+            raise self._shared.exit_error
+
+    def _on_handler_exit(self, error: BaseException) -> None:
+        self._log.error(
+            "consumer_stopping_on_handler_exit",
+            error=repr(error)[:300],
+            hint="a handler raised SystemExit or KeyboardInterrupt: its delivery counts as a "
+            "failed attempt; the consumer stops, then the exception goes on",
+        )
+        if self._in_run:
+            self.request_stop()
+        elif self._exit_task is None:
+            self._exit_task = asyncio.get_running_loop().create_task(
+                self._stop_then_raise(error), name="reliable_mq:handler_exit"
+            )
+
+    async def _stop_then_raise(self, error: BaseException) -> None:
+        """Stop cleanly, then let the exit out of the event loop (as asyncio would have)."""
+        await self.stop()
+        raise error
 
     def request_stop(self) -> None:
         """Ask a running `run` to stop (safe from a signal handler or callback)."""

@@ -71,6 +71,7 @@ TABLE: dict[Outcome, tuple[str, str, str, str]] = {
     O.RETURNED: ("ack+done", "ack+done", "ack+done", "retry"),
     O.ACK_CALLED: ("ack+done", "ack+done", "ack+done", "ack+done"),
     O.RAISED: ("retry", "dead_letter:handler_error", "ack", "retry"),
+    O.EXITED: ("retry", "dead_letter:handler_error", "ack", "retry"),
     O.CANCELLED: ("retry", "dead_letter:handler_error", "ack", "retry"),
     O.TIMED_OUT: ("retry", "dead_letter:handler_timeout", "ack", "retry"),
     O.RETRY_SIGNAL: ("retry", "retry", "ack", "retry"),
