@@ -15,6 +15,16 @@ no new handler starts (`Shared.exited`), and the consumer stops as on
 handlers get the grace period), so every other delivery in flight is settled
 once too; ``run()`` then re-raises the exception.
 
+A message id runs one handler at a time in this process (`Route.running`,
+released when the handler really ends: a thread's when it returns, even
+late); a delivery of an id still running is deferred, not counted. A
+handler's deadline is ``handler_timeout``, or sooner the cut before the
+broker's ``consumer_timeout`` (`Shared.broker_cut`, counted from the
+delivery's arrival). When the broker closed a channel for its
+``consumer_timeout`` anyway, its redelivery of the run it cut
+(`Route.take_overran`) is settled as `Outcome.CONSUMER_TIMEOUT` without
+running again.
+
 Cancellation is told apart by who asked for it: the watchdog flags the ticket
 (`Ticket.timed_out`) before it cancels; a shutdown sets `Shared.stopping`; a
 dead channel shows as `Session.dead`. A ``CancelledError`` while the task was
@@ -34,15 +44,17 @@ events bind theirs when they are emitted (`delivery_log`).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Mapping
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
 from pamqp.commands import Basic
 
 from ._inbound import OnDelivery, Undecodable
-from ._route import Route
+from ._route import Overran, Route
 from ._session import Session, Shared, Ticket, delivery_log
 from ._settle import Cause, Outcome, decide
 from .dedup.base import AlreadyProcessed, ClaimResult
@@ -67,6 +79,9 @@ _CHANNEL_DEAD = Cause(Outcome.CHANNEL_DEAD)
 _DUPLICATE = Cause(Outcome.DUPLICATE)
 _BUSY = Cause(Outcome.BUSY, note="message id claimed by another consumer")
 _STORE_DOWN = Cause(Outcome.STORE_DOWN, note="dedup store unavailable")
+_RUNNING_HERE = Cause(
+    Outcome.BUSY, note="a handler of this message id still runs in this process (a late run)"
+)
 _NO_HEADERS: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -197,11 +212,17 @@ class Dispatcher:
     async def _run(self, route: Route, ticket: Ticket, acks_first: bool) -> Cause | None:
         """Everything up to the handler's end, as a cause (None: settled already)."""
         delivery, spec, settings = ticket.delivery, route.spec, self.settings
+        if route.has_overran:
+            overran = route.take_overran(delivery)
+            if overran is not None:  # the broker's redelivery of a run it cut off
+                return _consumer_timeout(overran)
         if delivery.attempt > settings.max_attempts:
             return Cause(
                 Outcome.TOO_MANY_ATTEMPTS,
                 note=f"delivered {delivery.attempt} times, max_attempts={settings.max_attempts}",
             )
+        if delivery.message_id in route.running:
+            return _RUNNING_HERE  # never twice at once: a late run of this id goes on
         gate = route.dedup
         if gate is not None:
             message_id = delivery.message_id
@@ -243,19 +264,32 @@ class Dispatcher:
     async def _call(self, route: Route, ticket: Ticket, body: Any) -> Cause:
         """Run the handler; every way it can end becomes a cause."""
         spec, delivery, session = route.spec, ticket.delivery, ticket.session
-        func = route.handler
         if spec.decode is None:
-            coro = func(delivery)
+            args: tuple[Any, ...] = (delivery,)
         elif spec.wants_delivery:
-            coro = func(body, delivery)
+            args = (body, delivery)
         else:
-            coro = func(body)
+            args = (body,)
+        # Running until the handler really ends (route.running): a thread only
+        # then, late or not; a coroutine when this call ends.
+        key = delivery.message_id
+        if key:
+            running = route.running
+            running[key] = running.get(key, 0) + 1
+        threads = route.threads
+        if threads is None:
+            coro = route.handler(*args)
+        else:
+            on_end = partial(route.handler_ended, key) if key else None
+            coro = threads.run(spec.func, *args, on_end=on_end)  # type: ignore[arg-type]
         metrics = route.metrics
         metrics.handlers_running += 1
-        started = time.perf_counter()
+        started = ticket.started = time.perf_counter()
         timeout = self.settings.handler_timeout
-        if timeout is not None and ticket.task is not None:
-            session.watch(ticket, started + timeout)  # enforced by the consumer's watchdog
+        cut = self.shared.broker_cut
+        if (timeout is not None or cut is not None) and ticket.task is not None:
+            # Enforced by the consumer's watchdog.
+            session.watch(ticket, _deadline(ticket, started, timeout, cut))
         try:
             await coro
         except asyncio.CancelledError as exc:
@@ -274,6 +308,8 @@ class Dispatcher:
             metrics.handlers_running -= 1
             metrics.handler_ended(time.perf_counter() - started)
             session.unwatch(ticket)
+            if key and threads is None:
+                route.handler_ended(key)
         if ticket.timed_out:  # the handler swallowed the watchdog's cancel
             return self._timed_out(ticket)
         task = ticket.task
@@ -310,11 +346,43 @@ class Dispatcher:
         if task is not None and task.uncancel() > 0:
             # Cancelled by someone else as well (a shutdown): that one wins.
             raise asyncio.CancelledError
+        log = delivery_log(ticket.delivery)
+        if ticket.for_broker:
+            limit = self.shared.consumer_timeout
+            ran = time.perf_counter() - ticket.started
+            log.warning("handler_cut_for_consumer_timeout", consumer_timeout=limit, ran=ran)
+            return Cause(
+                Outcome.CONSUMER_TIMEOUT,
+                TimeoutError(
+                    f"the handler ran {ran:.1f}s and was cut to be settled within the "
+                    f"broker's consumer_timeout ({limit:g}s)"
+                ),
+                "consumer_timeout",
+            )
         seconds = self.settings.handler_timeout
-        delivery_log(ticket.delivery).warning("handler_timeout", seconds=seconds)
+        log.warning("handler_timeout", seconds=seconds)
         return Cause(
             Outcome.TIMED_OUT, TimeoutError(f"handler exceeded handler_timeout={seconds}s")
         )
+
+
+def _deadline(ticket: Ticket, started: float, timeout: float | None, cut: float | None) -> float:
+    """When the handler is cut: ``handler_timeout`` after it started, or sooner, `Shared.broker_cut`
+    after its delivery arrived (unless settled first: ``ACK_FIRST``)."""
+    deadline = math.inf if timeout is None else started + timeout
+    if cut is not None and not ticket.settled and ticket.admitted + cut < deadline:
+        ticket.for_broker = True
+        return ticket.admitted + cut
+    return deadline
+
+
+def _consumer_timeout(overran: Overran) -> Cause:
+    limit = "" if overran.limit is None else f" ({overran.limit:g}s)"
+    error = TimeoutError(
+        f"the handler ran {overran.ran:.1f}s, past the broker's consumer_timeout{limit}: "
+        "the broker closed the channel and redelivered the message"
+    )
+    return Cause(Outcome.CONSUMER_TIMEOUT, error, "consumer_timeout")
 
 
 def _delivery(

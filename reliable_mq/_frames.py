@@ -24,7 +24,14 @@ from .metrics import QueueMetrics
 from .publisher import ReliablePublisher
 from .settings import ConsumerSettings
 
-__all__ = ("FrameKind", "Frames", "Shared")
+__all__ = ("FrameKind", "Frames", "Shared", "broker_cut")
+
+
+def broker_cut(consumer_timeout: float) -> float:
+    """Seconds after its arrival that a delivery's handler is cut, so that its settle
+    reaches the broker before the broker's ``consumer_timeout``: 85 % of it, and at
+    most 30 s before it."""
+    return max(consumer_timeout * 0.85, consumer_timeout - 30.0)
 
 
 class FrameKind(enum.StrEnum):
@@ -55,6 +62,8 @@ class Shared:
         "ack_frames",
         "acked",
         "active",
+        "broker_cut",
+        "consumer_timeout",
         "dead_lettered",
         "deferred",
         "delivered",
@@ -84,6 +93,16 @@ class Shared:
         self.idle: asyncio.Event | None = None
         self.exit_error: BaseException | None = None
         self.on_exit: Callable[[BaseException], None] | None = None
+        self.consumer_timeout: float | None = None
+        self.broker_cut: float | None = None
+        self.set_consumer_timeout(settings.consumer_timeout)
+
+    def set_consumer_timeout(self, seconds: float | None) -> None:
+        """The broker's ``consumer_timeout``: configured, or named by the broker when it
+        closed a channel for it. Handlers are cut `broker_cut` after their delivery
+        arrived (see `reliable_mq._dispatch`)."""
+        self.consumer_timeout = seconds
+        self.broker_cut = None if seconds is None else broker_cut(seconds)
 
     def exited(self, error: BaseException) -> None:
         """A handler raised ``SystemExit`` or ``KeyboardInterrupt``: no new handler

@@ -72,6 +72,10 @@ class Outcome(enum.StrEnum):
     dead channel (its task was not cancelled). Treated as an error."""
     TIMED_OUT = "timed_out"
     """Cancelled by the consumer's watchdog after ``handler_timeout``."""
+    CONSUMER_TIMEOUT = "consumer_timeout"
+    """The broker's redelivery of a delivery whose handler ran past the broker's
+    ``consumer_timeout`` (the broker closed the channel): that run is a failed
+    attempt, and the handler does not run again for it."""
     RETRY_SIGNAL = "retry_signal"
     """``Retry`` raised, or ``delivery.retry()`` called."""
     REJECT_SIGNAL = "reject_signal"
@@ -144,7 +148,17 @@ _ACK = Decision(Settle.ACK)
 _ACK_DONE = Decision(Settle.ACK, mark_done=True)
 _REQUEUE = Decision(Settle.REQUEUE)
 _DEFER = Decision(Settle.DEFER)
-_HANDLER_FAILED = (Outcome.RAISED, Outcome.EXITED, Outcome.CANCELLED, Outcome.TIMED_OUT)
+_HANDLER_FAILED = (
+    Outcome.RAISED,
+    Outcome.EXITED,
+    Outcome.CANCELLED,
+    Outcome.TIMED_OUT,
+    Outcome.CONSUMER_TIMEOUT,
+)
+_DEAD_LETTER_REASON = {
+    Outcome.TIMED_OUT: DeadLetterReason.HANDLER_TIMEOUT,
+    Outcome.CONSUMER_TIMEOUT: DeadLetterReason.CONSUMER_TIMEOUT,
+}
 
 
 def _retry(attempt: int, max_attempts: int) -> Decision:
@@ -196,11 +210,7 @@ def decide(policy: AckPolicy, outcome: Outcome, attempt: int, max_attempts: int)
         return _retry(attempt, max_attempts)
     assert outcome in _HANDLER_FAILED, outcome
     if policy is AckPolicy.DEAD_LETTER_ON_ERROR:
-        reason = (
-            DeadLetterReason.HANDLER_TIMEOUT
-            if outcome is Outcome.TIMED_OUT
-            else DeadLetterReason.HANDLER_ERROR
-        )
+        reason = _DEAD_LETTER_REASON.get(outcome, DeadLetterReason.HANDLER_ERROR)
         return Decision(Settle.DEAD_LETTER, reason)
     return _retry(attempt, max_attempts)
 

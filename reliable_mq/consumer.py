@@ -59,7 +59,7 @@ from ._dedup_gate import DedupGate
 from ._dispatch import Dispatcher
 from ._route import ChannelKeeper, Route
 from ._session import Shared
-from ._threads import HandlerThreads, handler_for, pool_size
+from ._threads import HandlerThreads, pool_size
 from .connection import ConnectionSupervisor
 from .dedup.base import DedupStore
 from .dedup.memory import MemoryDedupStore
@@ -80,6 +80,8 @@ __all__ = (
 
 _METRICS_INTERVAL = 0.5
 """Seconds between two additions of the per-delivery counts to Prometheus."""
+_RABBITMQ_CONSUMER_TIMEOUT = 1800.0
+"""RabbitMQ's default ``consumer_timeout`` (seconds), since 3.8.15."""
 
 
 class ConsumerStats(NamedTuple):
@@ -312,6 +314,7 @@ class ReliableConsumer(Router):
                 handler_timeout=timeout,
                 hint="a slow handler's message may run twice at once",
             )
+        self._check_consumer_timeout()
         for spec in self.handlers:
             store = self.dedup_store(spec.queue)
             metrics = self._metrics.for_queue(spec.queue)
@@ -332,7 +335,7 @@ class ReliableConsumer(Router):
                 metrics,
                 self._supervisor.name,
                 gate,
-                handler=handler_for(spec, threads),
+                threads=threads,
             )
         try:
             self._shared.publisher = ReliablePublisher(
@@ -354,9 +357,33 @@ class ReliableConsumer(Router):
             self._shared.stopping = True
             raise
         self._watchdog_task = asyncio.get_running_loop().create_task(
-            self._housekeeping(self.settings.handler_timeout), name="reliable_mq:housekeeping"
+            self._housekeeping(), name="reliable_mq:housekeeping"
         )
         self._log.info("consumer_started", queues=list(self._routes))
+
+    def _check_consumer_timeout(self) -> None:
+        """Warn when handlers may outlive the broker's ``consumer_timeout``."""
+        handler_timeout = self.settings.handler_timeout
+        cut = self._shared.broker_cut
+        if cut is not None:
+            if handler_timeout is None or handler_timeout > cut:
+                self._log.warning(
+                    "handler_timeout_above_consumer_timeout",
+                    handler_timeout=handler_timeout,
+                    consumer_timeout=self._shared.consumer_timeout,
+                    cut_after=round(cut, 3),
+                    hint="handlers are cut (and retried) cut_after seconds after their "
+                    "delivery arrived, before the broker closes the channel",
+                )
+        elif handler_timeout is None or handler_timeout >= _RABBITMQ_CONSUMER_TIMEOUT:
+            self._log.warning(
+                "handler_timeout_above_consumer_timeout",
+                handler_timeout=handler_timeout,
+                consumer_timeout=None,
+                hint="RabbitMQ closes the channel of a delivery unacked for its "
+                "consumer_timeout (30 minutes by default): set handler_timeout below it, "
+                "and ConsumerSettings.consumer_timeout to the broker's value",
+            )
 
     async def run(self) -> None:
         """Start, consume until `stop` or SIGTERM/SIGINT, then shut down gracefully.
@@ -524,13 +551,16 @@ class ReliableConsumer(Router):
         for route in self._routes.values():
             route.metrics.flush()
 
-    async def _housekeeping(self, timeout: float | None) -> None:
+    async def _housekeeping(self) -> None:
         """Add the per-delivery counts to Prometheus every `_METRICS_INTERVAL`, and
-        cancel handlers running past ``handler_timeout`` (checked every tenth of it)."""
-        tick = _METRICS_INTERVAL
-        if timeout is not None:
-            tick = min(max(timeout / 10, 0.01), tick)
+        cancel handlers running past their deadline: ``handler_timeout``, or the cut
+        before the broker's ``consumer_timeout`` (checked every tenth of the shorter)."""
         while True:
+            limits = [t for t in (self.settings.handler_timeout, self._shared.broker_cut) if t]
+            timeout = min(limits) if limits else None
+            tick = _METRICS_INTERVAL
+            if timeout is not None:
+                tick = min(max(timeout / 10, 0.01), tick)
             await asyncio.sleep(tick)
             now = time.perf_counter()
             for route in self._routes.values():

@@ -74,6 +74,7 @@ TABLE: dict[Outcome, tuple[str, str, str, str]] = {
     O.EXITED: ("retry", "dead_letter:handler_error", "ack", "retry"),
     O.CANCELLED: ("retry", "dead_letter:handler_error", "ack", "retry"),
     O.TIMED_OUT: ("retry", "dead_letter:handler_timeout", "ack", "retry"),
+    O.CONSUMER_TIMEOUT: ("retry", "dead_letter:consumer_timeout", "ack", "retry"),
     O.RETRY_SIGNAL: ("retry", "retry", "ack", "retry"),
     O.REJECT_SIGNAL: ("dead_letter:rejected",) * 2 + ("ack", "dead_letter:rejected"),
     O.NACK_CALLED: ("requeue",) * 4,
