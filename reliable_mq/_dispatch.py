@@ -82,6 +82,7 @@ _STORE_DOWN = Cause(Outcome.STORE_DOWN, note="dedup store unavailable")
 _RUNNING_HERE = Cause(
     Outcome.BUSY, note="a handler of this message id still runs in this process (a late run)"
 )
+_WAITED = Cause(Outcome.WAITED, note="waited for a handler slot too long to run safely")
 _NO_HEADERS: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -223,6 +224,11 @@ class Dispatcher:
             )
         if delivery.message_id in route.running:
             return _RUNNING_HERE  # never twice at once: a late run of this id goes on
+        cut = self.shared.broker_cut
+        if cut is not None and not acks_first:
+            waited = time.perf_counter() - ticket.admitted
+            if waited >= cut / 2:
+                return _waited(ticket, waited, cut)
         gate = route.dedup
         if gate is not None:
             message_id = delivery.message_id
@@ -374,6 +380,17 @@ def _deadline(ticket: Ticket, started: float, timeout: float | None, cut: float 
         ticket.for_broker = True
         return ticket.admitted + cut
     return deadline
+
+
+def _waited(ticket: Ticket, waited: float, cut: float) -> Cause:
+    """Half its time before the broker's consumer_timeout went waiting for a slot."""
+    delivery_log(ticket.delivery).warning(
+        "delivery_deferred_before_consumer_timeout",
+        waited=round(waited, 3),
+        cut_after=round(cut, 3),
+        hint="it waited for a handler slot: lower prefetch, or raise concurrency",
+    )
+    return _WAITED
 
 
 def _consumer_timeout(overran: Overran) -> Cause:

@@ -103,6 +103,10 @@ class Outcome(enum.StrEnum):
     """De-duplication: another consumer holds the id now."""
     STORE_DOWN = "store_down"
     """De-duplication: the store could not answer the claim."""
+    WAITED = "waited"
+    """It waited for a handler slot for half the time the broker's
+    ``consumer_timeout`` leaves it (`Shared.broker_cut`): it does not run now,
+    it goes round the first retry queue, not counted as an attempt."""
     UNRECORDED = "unrecorded"
     """The handler succeeded but the store could not record the id as done."""
     SHUTDOWN = "shutdown"
@@ -197,7 +201,7 @@ def decide(policy: AckPolicy, outcome: Outcome, attempt: int, max_attempts: int)
             return _REQUEUE
         case Outcome.DROP_CALLED:
             return Decision(Settle.REJECT)
-        case Outcome.BUSY | Outcome.STORE_DOWN:
+        case Outcome.BUSY | Outcome.STORE_DOWN | Outcome.WAITED:
             return _DEFER
         case Outcome.CHANNEL_DEAD:
             return Decision(Settle.STALE)

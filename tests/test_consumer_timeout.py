@@ -243,6 +243,43 @@ class TestConsumerTimeout:
         _check(report, configured=configured)
 
 
+class TestWaitingForASlot:
+    async def test_a_delivery_that_waited_half_its_time_is_deferred_not_counted(
+        self, node: PrivateBroker, queue: str
+    ) -> None:
+        """concurrency 1, 1 s handlers, 6 queued: the later ones would wait in the
+        prefetch buffer past the broker's timeout. Those that used half the time before
+        the cut waiting go round the retry queue instead, not counted: every message runs
+        once at attempt 1 and the broker never closes the channel."""
+        consumer = ReliableConsumer(
+            ConnectionSettings(url=SecretStr(node.url), connection_name=queue),
+            registry=CollectorRegistry(),
+            prefetch=10,
+            concurrency=1,
+            retry_delays=(0.2,),
+            consumer_timeout=BROKER_TIMEOUT,
+        )
+        runs: list[tuple[str, int]] = []
+
+        @consumer.handler(queue)
+        async def handler(delivery: Delivery) -> None:
+            runs.append((delivery.message_id, delivery.attempt))
+            await asyncio.sleep(1.0)
+
+        ids = [f"m{n}" for n in range(6)]
+        async with consumer, ReliablePublisher(node.url, registry=CollectorRegistry()) as pub:
+            for message_id in ids:
+                await pub.publish(b"x", routing_key=queue, message_id=message_id)
+            deadline = time.monotonic() + 40
+            while consumer.stats().acked < len(ids) or consumer.stats().in_progress:
+                assert time.monotonic() < deadline, runs
+                await asyncio.sleep(0.05)
+            stats = consumer.stats()
+        assert sorted(runs) == [(m, 1) for m in ids]  # each once, no attempt counted
+        assert stats.deferred >= 3 and stats.retried == 0
+        assert stats.channel_reopens == 0
+
+
 # -- the pieces, without a broker ---------------------------------------------------
 
 

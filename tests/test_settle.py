@@ -86,6 +86,7 @@ TABLE: dict[Outcome, tuple[str, str, str, str]] = {
     O.DUPLICATE: ("duplicate",) * 4,
     O.BUSY: ("defer",) * 4,
     O.STORE_DOWN: ("defer",) * 4,
+    O.WAITED: ("defer",) * 4,
     O.UNRECORDED: ("requeue",) * 4,
     O.SHUTDOWN: ("requeue",) * 4,
     O.CHANNEL_DEAD: ("stale",) * 4,
