@@ -177,3 +177,85 @@ class TestExitRestarted:
             assert headers[ATTEMPTS_HEADER] == 3
         for name in work_and_retry:
             assert await drain(name) == []
+
+
+_MIXED = """
+import asyncio, sys, time
+from pydantic import SecretStr
+from reliable_mq import ConnectionSettings
+from reliable_mq.consumer import ReliableConsumer
+from reliable_mq.delivery import Delivery
+
+url, queue, out, style = sys.argv[1:5]
+consumer = ReliableConsumer(
+    ConnectionSettings(url=SecretStr(url), connection_name="test-exits-mixed"),
+    prefetch=50, concurrency=8, max_attempts=3, retry_delays=(0.05,), shutdown_grace=1.5,
+)
+
+def note(text):
+    with open(out, "a") as f:
+        f.write(text + "\\n")
+
+def work(delivery: Delivery):
+    note(f"start {delivery.message_id}")
+    if delivery.message_id == "exit":
+        time.sleep(0.3)
+        sys.exit(3)
+    time.sleep(0.6 if delivery.message_id == "quick" else 30)
+    note(f"effect {delivery.message_id}")
+
+if style == "sync":
+    consumer.handler(queue)(work)
+else:
+    @consumer.handler(queue)
+    async def handler(delivery: Delivery) -> None:
+        note(f"start {delivery.message_id}")
+        if delivery.message_id == "exit":
+            await asyncio.sleep(0.3)
+            sys.exit(3)
+        await asyncio.sleep(0.6 if delivery.message_id == "quick" else 30)
+        note(f"effect {delivery.message_id}")
+
+asyncio.run(consumer.run())
+"""
+
+
+class TestExitWithOthersInFlight:
+    @pytest.mark.parametrize("style", ["async", "sync"])
+    async def test_others_finish_within_grace_or_go_back_once(
+        self, env: Env, tmp_path: Path, style: str
+    ) -> None:
+        """One handler exits while two others run: the exit is one attempt (a retry copy),
+        the one that finishes within shutdown_grace is acked, the one still running after
+        it is requeued without a copy; the process exits with code 3 soon after the grace."""
+        out = tmp_path / "runs.txt"
+        script = tmp_path / "consume.py"
+        script.write_text(textwrap.dedent(_MIXED))
+        probe = env.consumer(retry_delays=(0.05,))
+
+        @probe.handler(env.queue)
+        async def unused(delivery: Delivery) -> None: ...
+
+        env.track(probe)
+        async with probe:
+            pass
+        topology = probe.topology(env.queue)
+        await env.publish([b"e", b"q", b"l"], ids=["exit", "quick", "long"])
+        started = time.monotonic()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), URL, env.queue, str(out), style,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, stderr = await asyncio.wait_for(process.communicate(), RUN_TIMEOUT)
+        took = time.monotonic() - started
+        assert process.returncode == 3, stderr.decode(errors="replace")[-3000:]
+        assert took < 15  # the grace (1.5 s) and a start, not the long handler's 30 s
+        lines = out.read_text().splitlines()
+        assert sorted(lines) == ["effect quick", "start exit", "start long", "start quick"]
+        await asyncio.sleep(0.3)  # the retry copy's 0.05 s TTL
+        counts = await _counts([env.queue, *topology.retry_queues, topology.dead_letter_queue])
+        assert sum(counts.values()) == 2, counts  # exit (attempt 2) and long (requeued)
+        left = {
+            m.message_id: m.headers.get("x-reliable-mq-attempt") for m in await drain(env.queue)
+        }
+        assert left == {"exit": 2, "long": None}
