@@ -84,6 +84,11 @@ _RABBITMQ_CONSUMER_TIMEOUT = 1800.0
 """RabbitMQ's default ``consumer_timeout`` (seconds), since 3.8.15."""
 
 
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class ConsumerStats(NamedTuple):
     """Counters of one consumer since it started (cheap to read)."""
 
@@ -431,9 +436,13 @@ class ReliableConsumer(Router):
         if self._in_run:
             self.request_stop()
         elif self._exit_task is None:
-            self._exit_task = asyncio.get_running_loop().create_task(
+            task = asyncio.get_running_loop().create_task(
                 self._stop_then_raise(error), name="reliable_mq:handler_exit"
             )
+            # The loop ends with the exception; asyncio.run's clean-up runs this, so
+            # the task is not reported as "exception was never retrieved".
+            task.add_done_callback(_retrieve)
+            self._exit_task = task
 
     async def _stop_then_raise(self, error: BaseException) -> None:
         """Stop cleanly, then let the exit out of the event loop (as asyncio would have)."""

@@ -161,6 +161,7 @@ class TestExitRestarted:
             took = time.monotonic() - started
             assert process.returncode == expected_code, stderr.decode(errors="replace")[-3000:]
             assert took < RUN_TIMEOUT
+            assert b"never retrieved" not in stderr  # the exit leaves no stray task behind
         handled = [tuple(line.split()) for line in out.read_text().splitlines()]
         attempts = collections.defaultdict(list)
         for message_id, attempt in handled:
