@@ -54,6 +54,7 @@ __all__ = (
     "FaultKind",
     "classify",
     "classify_close",
+    "consumer_timeout_of",
     "is_delivery_nack",
     "is_return",
     "reader_error",
@@ -97,6 +98,12 @@ _CONNECTION_CODES: dict[type[BaseException], int] = {
 }
 
 _ENTITY = re.compile(r"\b(exchange|queue) '(.*?)' in vhost '")
+_PRECONDITION_FAILED = 406
+_CONSUMER_TIMEOUT = re.compile(
+    r"delivery acknowledgement on channel \d+ timed out(?:\. Timeout value used: (\d+) ms)?"
+)
+"""RabbitMQ's 406 text for a delivery left unacked past ``consumer_timeout`` (3.8.15+;
+the value used is named since 3.9)."""
 
 # aiormq answers a connection.close in reply to connection.open with this text
 # (the close frame's own reply text is lost): the vhost was refused.
@@ -129,6 +136,11 @@ class FaultKind(enum.StrEnum):
     no such vhost, no access to it for this user, or its connection limit reached."""
     TIMEOUT = "timeout"
     """An operation ran out of time (the link may be stuck)."""
+    CONSUMER_TIMEOUT = "consumer_timeout"
+    """406 ``delivery acknowledgement on channel N timed out``: a delivery stayed
+    unacked past the broker's ``consumer_timeout``. The broker closed the channel
+    and requeued every delivery unacked on it (not a refusal: reopen; see
+    `consumer_timeout_of` for the value the broker used)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +202,11 @@ def classify(exc: BaseException) -> Fault | None:
     """Classify ``exc``; ``None`` if it is not a broker or network error (a bug: re-raise it)."""
     text = _text(exc)
     match exc:
+        case ChannelClosed() if _CONSUMER_TIMEOUT.search(text) and _code_of(exc) in (
+            None,
+            _PRECONDITION_FAILED,
+        ):
+            return Fault(FaultKind.CONSUMER_TIMEOUT, _PRECONDITION_FAILED, text)
         case AuthenticationError() | ProbableAuthenticationError():
             return Fault(FaultKind.AUTH_REFUSED, 403, text, connection_level=True)
         case InvalidFrameError() if _OPEN_CLOSED.search(text):
@@ -237,6 +254,8 @@ def classify_close(
         kind = FaultKind.CONNECTION_LOST if connection_level else FaultKind.CHANNEL_LOST
     elif reply_code == 404:
         kind = FaultKind.NOT_FOUND
+    elif reply_code == _PRECONDITION_FAILED and _CONSUMER_TIMEOUT.search(text):
+        kind = FaultKind.CONSUMER_TIMEOUT
     elif reply_code == 504:
         kind = FaultKind.CONNECTION_LOST
     elif reply_code >= 400:
@@ -244,6 +263,24 @@ def classify_close(
     else:
         kind = FaultKind.CONNECTION_LOST if connection_level else FaultKind.CHANNEL_LOST
     return Fault(kind, reply_code, text, connection_level=connection_level, entity=entity)
+
+
+def consumer_timeout_of(fault: Fault) -> float | None:
+    """The broker's ``consumer_timeout`` in seconds, as its close text names it (3.9+).
+
+    None if ``fault`` is not `FaultKind.CONSUMER_TIMEOUT` or the text does not say.
+    """
+    if fault.kind is not FaultKind.CONSUMER_TIMEOUT:
+        return None
+    match = _CONSUMER_TIMEOUT.search(fault.reply_text)
+    if match is None or match.group(1) is None:
+        return None
+    return int(match.group(1)) / 1000
+
+
+def _code_of(exc: BaseException) -> int | None:
+    """The reply code of a channel error: its class's, or its first argument."""
+    return _CHANNEL_CODES.get(type(exc)) or _code_arg(exc)
 
 
 def _code_arg(exc: BaseException) -> int | None:

@@ -7,11 +7,23 @@ cancelling itself, timing out; a shutdown; a dead channel) into an
 ticket, which settles it through `Session.apply`.
 No path leaves a delivery unsettled: every exception is caught and becomes an
 outcome, and a bug of ours is settled by the error path. ``KeyboardInterrupt``
-and ``SystemExit`` from a handler count as a failed attempt too (retried, or
-dead-lettered after ``max_attempts``, so a handler that always exits cannot
-crash-loop its process); the consumer takes no new work, the channel is
-closed, so the broker has the settle before the exception ends the event
-loop, and the exception goes on.
+and ``SystemExit`` from a handler (`Outcome.EXITED`) count as one failed
+attempt too (retried, or dead-lettered after ``max_attempts``, so a handler
+that always exits cannot crash-loop its process). They do not leave the task:
+no new handler starts (`Shared.exited`), and the consumer stops as on
+``stop()`` (deliveries still waiting for a handler slot are requeued, running
+handlers get the grace period), so every other delivery in flight is settled
+once too; ``run()`` then re-raises the exception.
+
+A message id runs one handler at a time in this process (`Route.running`,
+released when the handler really ends: a thread's when it returns, even
+late); a delivery of an id still running is deferred, not counted. A
+handler's deadline is ``handler_timeout``, or sooner the cut before the
+broker's ``consumer_timeout`` (`Shared.broker_cut`, counted from the
+delivery's arrival). When the broker closed a channel for its
+``consumer_timeout`` anyway, its redelivery of the run it cut
+(`Route.take_overran`) is settled as `Outcome.CONSUMER_TIMEOUT` without
+running again.
 
 Cancellation is told apart by who asked for it: the watchdog flags the ticket
 (`Ticket.timed_out`) before it cancels; a shutdown sets `Shared.stopping`; a
@@ -32,15 +44,17 @@ events bind theirs when they are emitted (`delivery_log`).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Mapping
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
 from pamqp.commands import Basic
 
 from ._inbound import OnDelivery, Undecodable
-from ._route import Route
+from ._route import Overran, Route
 from ._session import Session, Shared, Ticket, delivery_log
 from ._settle import Cause, Outcome, decide
 from .dedup.base import AlreadyProcessed, ClaimResult
@@ -53,8 +67,9 @@ __all__ = ("Dispatcher", "int_header")
 
 _EXITS = (KeyboardInterrupt, SystemExit)
 """The only exceptions asyncio lets out of the event loop: a handler raising one
-ends the process. Any other exception from a handler (``GeneratorExit``, a
-``BaseException`` subclass of its own) is a handler error like any other."""
+asks for the process to end (`Outcome.EXITED`). Any other exception from a
+handler (``GeneratorExit``, a ``BaseException`` subclass of its own) is a
+handler error like any other."""
 
 # Causes that carry nothing but their outcome: one shared (frozen) instance each.
 _ACCEPTED = Cause(Outcome.ACCEPTED)
@@ -64,6 +79,10 @@ _CHANNEL_DEAD = Cause(Outcome.CHANNEL_DEAD)
 _DUPLICATE = Cause(Outcome.DUPLICATE)
 _BUSY = Cause(Outcome.BUSY, note="message id claimed by another consumer")
 _STORE_DOWN = Cause(Outcome.STORE_DOWN, note="dedup store unavailable")
+_RUNNING_HERE = Cause(
+    Outcome.BUSY, note="a handler of this message id still runs in this process (a late run)"
+)
+_WAITED = Cause(Outcome.WAITED, note="waited for a handler slot too long to run safely")
 _NO_HEADERS: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -149,21 +168,15 @@ class Dispatcher:
             if not ticket.settled:
                 await ticket.settle(self._interrupted(session, exc))
             raise
-        except Exception as exc:  # a bug of ours: settle it by the error path all the same
+        except _EXITS as exc:  # not the handler's (that is an outcome): a signal's, say
+            if not ticket.settled:
+                await ticket.settle(self._exited(ticket, exc))
+            else:
+                shared.exited(exc)
+        except BaseException as exc:  # a bug of ours: settle it by the error path all the same
             delivery_log(ticket.delivery).error("consumer_failed", error=repr(exc), exc_info=exc)
             if not ticket.settled:
                 await ticket.settle(Cause(Outcome.RAISED, exc))
-        except BaseException as exc:  # KeyboardInterrupt, SystemExit: the process is to exit
-            # No new handler runs: later deliveries are given back unhandled, and
-            # handlers the loop's end cancels are requeued, not failed.
-            shared.stopping = True
-            if not ticket.settled:
-                # A failed attempt, not a requeue: a handler that always exits
-                # must not crash-loop its process for good (max_attempts: the DLQ).
-                await ticket.settle(Cause(Outcome.RAISED, exc))
-            session.forget(ticket)  # not ours to cancel when the channel closes (interrupt)
-            await session.close_now()  # the settle reaches the broker before the loop ends
-            raise
         finally:
             session.forget(ticket)
             shared.leave()
@@ -178,6 +191,9 @@ class Dispatcher:
         return Cause(Outcome.CANCELLED, exc)
 
     async def _process(self, route: Route, ticket: Ticket, acks_first: bool) -> None:
+        if self.shared.stopping:  # waited for a handler slot while the consumer stopped
+            await ticket.settle(_SHUTDOWN)
+            return
         cause = await self._run(route, ticket, acks_first)
         if cause is None:
             return
@@ -197,11 +213,22 @@ class Dispatcher:
     async def _run(self, route: Route, ticket: Ticket, acks_first: bool) -> Cause | None:
         """Everything up to the handler's end, as a cause (None: settled already)."""
         delivery, spec, settings = ticket.delivery, route.spec, self.settings
+        if route.has_overran:
+            overran = route.take_overran(delivery)
+            if overran is not None:  # the broker's redelivery of a run it cut off
+                return _consumer_timeout(overran)
         if delivery.attempt > settings.max_attempts:
             return Cause(
                 Outcome.TOO_MANY_ATTEMPTS,
                 note=f"delivered {delivery.attempt} times, max_attempts={settings.max_attempts}",
             )
+        if delivery.message_id in route.running:
+            return _RUNNING_HERE  # never twice at once: a late run of this id goes on
+        cut = self.shared.broker_cut
+        if cut is not None and not acks_first:
+            waited = time.perf_counter() - ticket.admitted
+            if waited >= cut / 2:
+                return _waited(ticket, waited, cut)
         gate = route.dedup
         if gate is not None:
             message_id = delivery.message_id
@@ -227,8 +254,8 @@ class Dispatcher:
                 body = spec.decode(delivery.body, delivery.content_type)
             except MemoryError as exc:  # not the body's fault, maybe: retry
                 return Cause(Outcome.RAISED, exc)
-            except _EXITS:
-                raise
+            except _EXITS as exc:  # a validator that exits: as from the handler
+                return self._exited(ticket, exc)
             except BaseException as exc:  # BodyDecodeError, a validator's KeyError...
                 return Cause(Outcome.INVALID_BODY, exc)
         if acks_first:
@@ -243,19 +270,32 @@ class Dispatcher:
     async def _call(self, route: Route, ticket: Ticket, body: Any) -> Cause:
         """Run the handler; every way it can end becomes a cause."""
         spec, delivery, session = route.spec, ticket.delivery, ticket.session
-        func = route.handler
         if spec.decode is None:
-            coro = func(delivery)
+            args: tuple[Any, ...] = (delivery,)
         elif spec.wants_delivery:
-            coro = func(body, delivery)
+            args = (body, delivery)
         else:
-            coro = func(body)
+            args = (body,)
+        # Running until the handler really ends (route.running): a thread only
+        # then, late or not; a coroutine when this call ends.
+        key = delivery.message_id
+        if key:
+            running = route.running
+            running[key] = running.get(key, 0) + 1
+        threads = route.threads
+        if threads is None:
+            coro = route.handler(*args)
+        else:
+            on_end = partial(route.handler_ended, key) if key else None
+            coro = threads.run(spec.func, *args, on_end=on_end)  # type: ignore[arg-type]
         metrics = route.metrics
         metrics.handlers_running += 1
-        started = time.perf_counter()
+        started = ticket.started = time.perf_counter()
         timeout = self.settings.handler_timeout
-        if timeout is not None and ticket.task is not None:
-            session.watch(ticket, started + timeout)  # enforced by the consumer's watchdog
+        cut = self.shared.broker_cut
+        if (timeout is not None or cut is not None) and ticket.task is not None:
+            # Enforced by the consumer's watchdog.
+            session.watch(ticket, _deadline(ticket, started, timeout, cut))
         try:
             await coro
         except asyncio.CancelledError as exc:
@@ -266,14 +306,16 @@ class Dispatcher:
             return Cause(Outcome.REJECT_SIGNAL, exc, exc.reason)
         except AlreadyProcessed as exc:
             return Cause(Outcome.ALREADY_PROCESSED, exc)
-        except _EXITS:
-            raise  # the process is to exit: _deliver settles the delivery on the way out
+        except _EXITS as exc:
+            return self._exited(ticket, exc)
         except BaseException as exc:  # any Exception, GeneratorExit, a BaseException of its own
             return Cause(Outcome.RAISED, exc)
         finally:
             metrics.handlers_running -= 1
             metrics.handler_ended(time.perf_counter() - started)
             session.unwatch(ticket)
+            if key and threads is None:
+                route.handler_ended(key)
         if ticket.timed_out:  # the handler swallowed the watchdog's cancel
             return self._timed_out(ticket)
         task = ticket.task
@@ -282,6 +324,18 @@ class Dispatcher:
             # cut short, not done (never mark the id done). _deliver settles it.
             raise asyncio.CancelledError
         return _RETURNED
+
+    def _exited(self, ticket: Ticket, exc: BaseException) -> Cause:
+        """``SystemExit``/``KeyboardInterrupt``: one failed attempt; the consumer stops.
+
+        The exception is not let out of this task (asyncio would end the event
+        loop with it at once, before the settles of this delivery and of every
+        other one in flight reached the broker): the consumer re-raises it once
+        it has stopped cleanly (`ReliableConsumer.run`).
+        """
+        delivery_log(ticket.delivery).error("handler_exited", error=repr(exc)[:300])
+        self.shared.exited(exc)
+        return Cause(Outcome.EXITED, exc)
 
     def _cancelled(self, ticket: Ticket, exc: asyncio.CancelledError) -> Cause:
         task = ticket.task
@@ -298,11 +352,54 @@ class Dispatcher:
         if task is not None and task.uncancel() > 0:
             # Cancelled by someone else as well (a shutdown): that one wins.
             raise asyncio.CancelledError
+        log = delivery_log(ticket.delivery)
+        if ticket.for_broker:
+            limit = self.shared.consumer_timeout
+            ran = time.perf_counter() - ticket.started
+            log.warning("handler_cut_for_consumer_timeout", consumer_timeout=limit, ran=ran)
+            return Cause(
+                Outcome.CONSUMER_TIMEOUT,
+                TimeoutError(
+                    f"the handler ran {ran:.1f}s and was cut to be settled within the "
+                    f"broker's consumer_timeout ({limit:g}s)"
+                ),
+                "consumer_timeout",
+            )
         seconds = self.settings.handler_timeout
-        delivery_log(ticket.delivery).warning("handler_timeout", seconds=seconds)
+        log.warning("handler_timeout", seconds=seconds)
         return Cause(
             Outcome.TIMED_OUT, TimeoutError(f"handler exceeded handler_timeout={seconds}s")
         )
+
+
+def _deadline(ticket: Ticket, started: float, timeout: float | None, cut: float | None) -> float:
+    """When the handler is cut: ``handler_timeout`` after it started, or sooner, `Shared.broker_cut`
+    after its delivery arrived (unless settled first: ``ACK_FIRST``)."""
+    deadline = math.inf if timeout is None else started + timeout
+    if cut is not None and not ticket.settled and ticket.admitted + cut < deadline:
+        ticket.for_broker = True
+        return ticket.admitted + cut
+    return deadline
+
+
+def _waited(ticket: Ticket, waited: float, cut: float) -> Cause:
+    """Half its time before the broker's consumer_timeout went waiting for a slot."""
+    delivery_log(ticket.delivery).warning(
+        "delivery_deferred_before_consumer_timeout",
+        waited=round(waited, 3),
+        cut_after=round(cut, 3),
+        hint="it waited for a handler slot: lower prefetch, or raise concurrency",
+    )
+    return _WAITED
+
+
+def _consumer_timeout(overran: Overran) -> Cause:
+    limit = "" if overran.limit is None else f" ({overran.limit:g}s)"
+    error = TimeoutError(
+        f"the handler ran {overran.ran:.1f}s, past the broker's consumer_timeout{limit}: "
+        "the broker closed the channel and redelivered the message"
+    )
+    return Cause(Outcome.CONSUMER_TIMEOUT, error, "consumer_timeout")
 
 
 def _delivery(

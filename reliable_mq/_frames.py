@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiormq import Channel
@@ -24,7 +24,14 @@ from .metrics import QueueMetrics
 from .publisher import ReliablePublisher
 from .settings import ConsumerSettings
 
-__all__ = ("FrameKind", "Frames", "Shared")
+__all__ = ("FrameKind", "Frames", "Shared", "broker_cut")
+
+
+def broker_cut(consumer_timeout: float) -> float:
+    """Seconds after its arrival that a delivery's handler is cut, so that its settle
+    reaches the broker before the broker's ``consumer_timeout``: 85 % of it, and at
+    most 30 s before it."""
+    return max(consumer_timeout * 0.85, consumer_timeout - 30.0)
 
 
 class FrameKind(enum.StrEnum):
@@ -55,13 +62,17 @@ class Shared:
         "ack_frames",
         "acked",
         "active",
+        "broker_cut",
+        "consumer_timeout",
         "dead_lettered",
         "deferred",
         "delivered",
         "duplicates",
+        "exit_error",
         "fallbacks",
         "idle",
         "max_active",
+        "on_exit",
         "publisher",
         "rejected",
         "requeued",
@@ -80,6 +91,28 @@ class Shared:
         self.delivered = self.active = self.max_active = 0
         self.stopping = False
         self.idle: asyncio.Event | None = None
+        self.exit_error: BaseException | None = None
+        self.on_exit: Callable[[BaseException], None] | None = None
+        self.consumer_timeout: float | None = None
+        self.broker_cut: float | None = None
+        self.set_consumer_timeout(settings.consumer_timeout)
+
+    def set_consumer_timeout(self, seconds: float | None) -> None:
+        """The broker's ``consumer_timeout``: configured, or named by the broker when it
+        closed a channel for it. Handlers are cut `broker_cut` after their delivery
+        arrived (see `reliable_mq._dispatch`)."""
+        self.consumer_timeout = seconds
+        self.broker_cut = None if seconds is None else broker_cut(seconds)
+
+    def exited(self, error: BaseException) -> None:
+        """A handler raised ``SystemExit`` or ``KeyboardInterrupt``: no new handler
+        runs, and the consumer is told (once) to stop and re-raise ``error``."""
+        self.stopping = True
+        if self.exit_error is not None:
+            return
+        self.exit_error = error
+        if self.on_exit is not None:
+            self.on_exit(error)
 
     def enter(self) -> None:
         """A delivery starts being processed."""
@@ -226,19 +259,6 @@ class Frames:
             self.stale(1)
             return
         await self._settle_single(_NACK_REQUEUE if requeue else _NACK_DROP, tag)
-
-    async def close_now(self) -> None:
-        """Send the batched acks, then close the channel and wait for the broker's answer.
-
-        Every frame written before is then settled on the broker (the process is
-        about to exit); the deliveries still unsettled are requeued by it.
-        """
-        if not self.dead():
-            with contextlib.suppress(*AMQP_ERRORS, TimeoutError):
-                async with asyncio.timeout(5):
-                    await self.final_flush()
-        self.alive = False
-        await self._close_quietly()
 
     def abort(self) -> None:
         """Close the channel now: the broker requeues every delivery still unacked."""

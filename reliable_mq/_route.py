@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from aiormq import Channel
 
@@ -20,6 +20,7 @@ from ._amqp_faults import AMQP_ERRORS, classify
 from ._dedup_gate import DedupGate
 from ._inbound import OnDelivery, take_deliveries, take_frames
 from ._session import Session, Shared
+from ._threads import HandlerThreads
 from .connection import ConnectionSupervisor
 from .errors import ClosedError, ConsumerError
 from .handlers import AsyncHandlerFunc, HandlerSpec
@@ -31,13 +32,24 @@ from .topology import QueueTopology, QueueType, prepare_topology
 if TYPE_CHECKING:
     from .delivery import Delivery
 
-__all__ = ("ChannelKeeper", "Intake", "Route")
+__all__ = ("ChannelKeeper", "Intake", "Overran", "Route")
 
 Intake = Callable[["Route", Session], OnDelivery]
 """Makes the function a session's channel hands each delivery to."""
 
 HELD_MESSAGES = 1024
 """Messages whose requeue-later holds a route remembers (least recently held forgotten)."""
+
+
+class Overran(NamedTuple):
+    """A handler run that the broker's ``consumer_timeout`` cut off (see `Route.overran`)."""
+
+    attempt: int
+    """The attempt that ran."""
+    ran: float
+    """Seconds the handler had run when the broker closed the channel."""
+    limit: float | None
+    """The broker's ``consumer_timeout`` in seconds, if its close text named it."""
 
 
 class Route:
@@ -50,12 +62,20 @@ class Route:
         metrics: QueueMetrics,
         name: str,
         dedup: DedupGate | None = None,
-        handler: AsyncHandlerFunc | None = None,
+        threads: HandlerThreads | None = None,
     ) -> None:
         self.spec = spec
-        # What the dispatcher calls: the async def, or the thread pool's bridge
-        # to a plain def (see reliable_mq._threads).
-        self.handler = handler if handler is not None else cast(AsyncHandlerFunc, spec.func)
+        # What the dispatcher calls: the async def, or the plain def through the
+        # route's thread pool (see reliable_mq._threads).
+        if spec.sync and threads is None:
+            raise ValueError(f"the plain def handler of {spec.queue!r} needs handler threads")
+        self.handler = cast(AsyncHandlerFunc, spec.func)
+        self.threads = threads
+        self.running: dict[str, int] = {}
+        """Handlers running now per message id, late ones (a thread past its
+        deadline, a handler that swallowed its cancel) included: a delivery of an
+        id in here is deferred, never run alongside."""
+        self._overran: OrderedDict[str | int, Overran] = OrderedDict()
         self.settings = settings
         self.dedup = dedup
         self.queue = spec.queue
@@ -100,6 +120,45 @@ class Route:
         settings = self.settings
         delay = settings.fallback_delay * 2 ** min(max(count, streak), 30)
         return float(min(delay, settings.fallback_max_delay))
+
+    def handler_ended(self, message_id: str) -> None:
+        """A handler of ``message_id`` really ended (for a thread: its call returned)."""
+        count = self.running.get(message_id, 0) - 1
+        if count > 0:
+            self.running[message_id] = count
+        else:
+            self.running.pop(message_id, None)
+
+    def overran(self, delivery: Delivery, ran: float, limit: float | None) -> None:
+        """The broker's ``consumer_timeout`` cut off a run of ``delivery``'s handler.
+
+        The broker redelivers the original unchanged (on classic queues its
+        attempt number does not rise): the record lets `take_overran` count
+        that run as an attempt when it comes back. Kept for the
+        `HELD_MESSAGES` most recent ones, in memory (a restart forgets them).
+        """
+        overran = self._overran
+        overran[_backoff_key(delivery)] = Overran(delivery.attempt, ran, limit)
+        overran.move_to_end(_backoff_key(delivery))
+        if len(overran) > HELD_MESSAGES:
+            overran.popitem(last=False)
+
+    def take_overran(self, delivery: Delivery) -> Overran | None:
+        """The cut-off run ``delivery`` is the broker's redelivery of, if it is one.
+
+        On a quorum queue the broker counted that run already (``x-delivery-count``):
+        the delivery's attempt is brought back to the run's, so it is counted once.
+        """
+        record = self._overran.pop(_backoff_key(delivery), None)
+        if record is None or not delivery.redelivered:
+            return None
+        if delivery.attempt == record.attempt + 1 and self.quorum:
+            delivery.attempt = record.attempt
+        return record if delivery.attempt == record.attempt else None
+
+    @property
+    def has_overran(self) -> bool:
+        return bool(self._overran)
 
     def copy_published(self, delivery: Delivery) -> None:
         """A copy of ``delivery`` was published: its holds, and the route's streak, end."""
@@ -153,7 +212,7 @@ class ChannelKeeper:
                 # Deliveries go to our dispatcher below aiormq (see _inbound); our
                 # tasks are cancelled by us, not by aiormq, when the channel closes.
                 take_deliveries(channel, self.intake(route, session))
-                channel.closing.add_done_callback(lambda _: session.interrupt())
+                channel.closing.add_done_callback(lambda closing: session.interrupt(_why(closing)))
                 ok = await channel.basic_consume(route.queue, _not_called, no_ack=False)
         except BaseException as exc:
             if aio_channel is not None and not aio_channel.is_closed:
@@ -235,6 +294,13 @@ class ChannelKeeper:
             failures = 0
             self.reopens += 1
             route.log.info("consumer_channel_recovered")
+
+
+def _why(closing: asyncio.Future[Any]) -> BaseException | None:
+    """Why a channel closed (its ``closing`` future's exception), if it says."""
+    if closing.cancelled():
+        return None
+    return closing.exception()
 
 
 async def _not_called(message: Any) -> None:

@@ -18,13 +18,16 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import time
 from typing import TYPE_CHECKING, Any
 
 from aiormq import Channel
 
+from ._acks import TagState
+from ._amqp_faults import Fault, FaultKind, classify, consumer_timeout_of
 from ._copies import Copy, build_copy
 from ._dedup_gate import Claim
-from ._frames import Frames, Shared
+from ._frames import Frames, Shared, broker_cut
 from ._settle import (
     UNPUBLISHABLE_COPY,
     Cause,
@@ -80,15 +83,22 @@ class Ticket:
             (a copy the handler asked for is not cut off half-way by its deadline).
         deadline: when the handler times out (``perf_counter`` seconds; infinite
             while no handler runs).
+        started: when its handler started (``perf_counter`` seconds; 0 before).
+        admitted: when it arrived (``perf_counter`` seconds).
+        for_broker: its deadline is the broker's ``consumer_timeout`` (`Shared.broker_cut`),
+            not ``handler_timeout``.
     """
 
     __slots__ = (
         "_outcome",
+        "admitted",
         "claim",
         "deadline",
         "delivery",
+        "for_broker",
         "session",
         "settling",
+        "started",
         "tag",
         "task",
         "timed_out",
@@ -104,6 +114,9 @@ class Ticket:
         self.deadline = math.inf
         self._outcome: Settle | None = None
         self.settling = False
+        self.started = 0.0
+        self.admitted = time.perf_counter()
+        self.for_broker = False
 
     @property
     def outcome(self) -> Settle | None:
@@ -173,21 +186,31 @@ class Session(Frames):
         overdue = [
             t
             for t in self.inflight.values()
-            if now >= t.deadline and not t.timed_out and not t.settling
+            if now >= t.deadline
+            and not t.timed_out
+            and not t.settling
+            and not (t.for_broker and t.settled)  # acked by the handler: the broker has it
         ]
         for ticket in overdue:
             ticket.timed_out = True
             if ticket.task is not None:
                 ticket.task.cancel()
 
-    def interrupt(self) -> None:
+    def interrupt(self, error: BaseException | None = None) -> None:
         """The channel closed: cancel the tasks of its deliveries (the broker requeued them).
 
         Each settles as `Outcome.CHANNEL_DEAD` (stale: nothing can be written).
         A task that has not started yet is left to start: cancelled now, it
         would never run, and its delivery would never be settled; started, it
         finds the channel dead and settles it as stale before anything else.
+
+        ``error``: why the channel closed. When the broker closed it for its
+        ``consumer_timeout``, the deliveries that exceeded it are recorded
+        first (`consumer_timed_out`), while their handlers still run.
         """
+        fault = classify(error) if error is not None else None
+        if fault is not None and fault.kind is FaultKind.CONSUMER_TIMEOUT:
+            self.consumer_timed_out(fault)
         for ticket in list(self.inflight.values()):
             task = ticket.task
             if task is None or task.done():
@@ -199,6 +222,53 @@ class Session(Frames):
             ):
                 continue
             task.cancel()
+
+    def consumer_timed_out(self, fault: Fault) -> None:
+        """The broker closed the channel: a delivery stayed unacked past its ``consumer_timeout``.
+
+        The broker names no delivery: it checks the oldest unacked one. That one,
+        and any other whose handler has run longer than the timeout the broker
+        names (3.9+), exceeded it. Each is logged as an error; each whose
+        handler was running has that run recorded on its route
+        (`Route.overran`), so that its redelivery is settled as one failed
+        attempt (`Outcome.CONSUMER_TIMEOUT`) instead of running again.
+        """
+        now = time.perf_counter()
+        limit = consumer_timeout_of(fault)
+        shared = self.shared
+        if limit is not None and limit != shared.consumer_timeout:
+            self.route.log.warning(
+                "consumer_timeout_learned",
+                consumer_timeout=limit,
+                configured=shared.consumer_timeout,
+                cut_after=round(broker_cut(limit), 3),
+                hint="from now on a handler is cut (and retried) before the broker's "
+                "consumer_timeout; set ConsumerSettings.consumer_timeout to it",
+            )
+            shared.set_consumer_timeout(limit)
+        unacked = sorted(
+            (t for t in self.inflight.values() if _unacked(self.tracker.state(t.tag))),
+            key=lambda t: t.tag,
+        )
+        for index, ticket in enumerate(unacked):
+            state = self.tracker.state(ticket.tag)
+            running = ticket.started > 0 and state is TagState.IN_PROGRESS and not ticket.settled
+            ran = now - ticket.started if running else None
+            if index and (ran is None or limit is None or ran < limit):
+                continue  # not over the broker's timeout (only the oldest is known to be)
+            if running:
+                assert ran is not None
+                self.route.overran(ticket.delivery, ran, limit)
+            delivery_log(ticket.delivery).error(
+                "consumer_timeout",
+                consumer_timeout=limit,
+                handler_ran=None if ran is None else round(ran, 3),
+                waiting=_waiting_for(ticket, state) if ran is None else None,
+                counted=running,
+                hint="the broker closed the channel (406 PRECONDITION_FAILED) and requeued "
+                "every delivery unacked on it; keep handler_timeout below the broker's "
+                "consumer_timeout (ConsumerSettings.consumer_timeout), or raise it",
+            )
 
     async def abandon(self) -> int:
         """Shutdown past its grace: requeue every unsettled delivery, cancel its handler."""
@@ -447,6 +517,22 @@ class Session(Frames):
             return Settle.STALE
         self.spawn(self.nack(ticket.tag, requeue=True))
         return Settle.REQUEUE
+
+
+def _unacked(state: TagState | None) -> bool:
+    """Unacked on the broker: in progress, or finished with its ack still batched."""
+    return state is TagState.IN_PROGRESS or state is TagState.ACK_PENDING
+
+
+def _waiting_for(ticket: Ticket, state: TagState | None) -> str:
+    """What a delivery that no handler is running was waiting for."""
+    if state is TagState.ACK_PENDING:
+        return "its batched ack"
+    if ticket.settling:
+        return "its settle (a copy being published)"
+    if ticket.started:
+        return "its settle"
+    return "a handler slot (prefetch is larger than concurrency allows in that time)"
 
 
 def delivery_log(delivery: Delivery) -> Any:

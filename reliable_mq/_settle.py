@@ -61,11 +61,21 @@ class Outcome(enum.StrEnum):
     RAISED = "raised"
     """The handler raised an exception (any ``Exception``: ``RecursionError`` and
     ``MemoryError`` included)."""
+    EXITED = "exited"
+    """The handler raised ``SystemExit`` or ``KeyboardInterrupt`` (plain or async,
+    in any step it runs: the body's validators too). A failed attempt like
+    ``RAISED``, so a handler that always exits ends in the DLQ after
+    ``max_attempts`` restarts of its process; the consumer then stops (see
+    `ReliableConsumer.run`). Any other ``BaseException`` is ``RAISED``."""
     CANCELLED = "cancelled"
     """The handler raised ``CancelledError`` itself: not our timeout, shutdown or
     dead channel (its task was not cancelled). Treated as an error."""
     TIMED_OUT = "timed_out"
     """Cancelled by the consumer's watchdog after ``handler_timeout``."""
+    CONSUMER_TIMEOUT = "consumer_timeout"
+    """The broker's redelivery of a delivery whose handler ran past the broker's
+    ``consumer_timeout`` (the broker closed the channel): that run is a failed
+    attempt, and the handler does not run again for it."""
     RETRY_SIGNAL = "retry_signal"
     """``Retry`` raised, or ``delivery.retry()`` called."""
     REJECT_SIGNAL = "reject_signal"
@@ -93,6 +103,10 @@ class Outcome(enum.StrEnum):
     """De-duplication: another consumer holds the id now."""
     STORE_DOWN = "store_down"
     """De-duplication: the store could not answer the claim."""
+    WAITED = "waited"
+    """It waited for a handler slot for half the time the broker's
+    ``consumer_timeout`` leaves it (`Shared.broker_cut`): it does not run now,
+    it goes round the first retry queue, not counted as an attempt."""
     UNRECORDED = "unrecorded"
     """The handler succeeded but the store could not record the id as done."""
     SHUTDOWN = "shutdown"
@@ -138,7 +152,17 @@ _ACK = Decision(Settle.ACK)
 _ACK_DONE = Decision(Settle.ACK, mark_done=True)
 _REQUEUE = Decision(Settle.REQUEUE)
 _DEFER = Decision(Settle.DEFER)
-_HANDLER_FAILED = (Outcome.RAISED, Outcome.CANCELLED, Outcome.TIMED_OUT)
+_HANDLER_FAILED = (
+    Outcome.RAISED,
+    Outcome.EXITED,
+    Outcome.CANCELLED,
+    Outcome.TIMED_OUT,
+    Outcome.CONSUMER_TIMEOUT,
+)
+_DEAD_LETTER_REASON = {
+    Outcome.TIMED_OUT: DeadLetterReason.HANDLER_TIMEOUT,
+    Outcome.CONSUMER_TIMEOUT: DeadLetterReason.CONSUMER_TIMEOUT,
+}
 
 
 def _retry(attempt: int, max_attempts: int) -> Decision:
@@ -177,7 +201,7 @@ def decide(policy: AckPolicy, outcome: Outcome, attempt: int, max_attempts: int)
             return _REQUEUE
         case Outcome.DROP_CALLED:
             return Decision(Settle.REJECT)
-        case Outcome.BUSY | Outcome.STORE_DOWN:
+        case Outcome.BUSY | Outcome.STORE_DOWN | Outcome.WAITED:
             return _DEFER
         case Outcome.CHANNEL_DEAD:
             return Decision(Settle.STALE)
@@ -190,11 +214,7 @@ def decide(policy: AckPolicy, outcome: Outcome, attempt: int, max_attempts: int)
         return _retry(attempt, max_attempts)
     assert outcome in _HANDLER_FAILED, outcome
     if policy is AckPolicy.DEAD_LETTER_ON_ERROR:
-        reason = (
-            DeadLetterReason.HANDLER_TIMEOUT
-            if outcome is Outcome.TIMED_OUT
-            else DeadLetterReason.HANDLER_ERROR
-        )
+        reason = _DEAD_LETTER_REASON.get(outcome, DeadLetterReason.HANDLER_ERROR)
         return Decision(Settle.DEAD_LETTER, reason)
     return _retry(attempt, max_attempts)
 

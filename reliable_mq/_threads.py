@@ -30,16 +30,17 @@ import inspect
 import queue
 import threading
 import time
-from typing import Any, NoReturn, cast
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import structlog
 
 from .delivery import Delivery
 from .errors import ClosedError
-from .handlers import AsyncHandlerFunc, HandlerSpec, SyncHandlerFunc
+from .handlers import SyncHandlerFunc
 from .log import get_logger
 
-__all__ = ("HandlerThreads", "JobState", "handler_for", "pool_size")
+__all__ = ("HandlerThreads", "JobState", "pool_size")
 
 FALLBACK_SIZE = 32
 """Threads per queue when neither ``concurrency`` nor ``prefetch`` bounds the handlers."""
@@ -66,7 +67,17 @@ class JobState(enum.StrEnum):
 
 
 class _Job:
-    __slots__ = ("args", "context", "delivery", "func", "future", "loop", "started", "state")
+    __slots__ = (
+        "args",
+        "context",
+        "delivery",
+        "func",
+        "future",
+        "loop",
+        "on_end",
+        "started",
+        "state",
+    )
 
     def __init__(
         self,
@@ -74,9 +85,11 @@ class _Job:
         args: tuple[Any, ...],
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[None],
+        on_end: Callable[[], None] | None = None,
     ) -> None:
         self.func = func
         self.args = args
+        self.on_end = on_end
         self.context = contextvars.copy_context()  # the delivery task's: structlog context
         self.loop = loop
         self.future = future
@@ -127,21 +140,21 @@ class HandlerThreads:
         """Threads started so far (never more than ``size``)."""
         return len(self._threads)
 
-    def handler(self, func: SyncHandlerFunc) -> AsyncHandlerFunc:
-        """The coroutine function that runs ``func`` in this pool (what the dispatcher calls)."""
-
-        async def call(*args: Any) -> None:
-            await self.run(func, *args)
-
-        call.__qualname__ = getattr(func, "__qualname__", repr(func))
-        return call
-
-    async def run(self, func: SyncHandlerFunc, /, *args: Any) -> None:
+    async def run(
+        self, func: SyncHandlerFunc, /, *args: Any, on_end: Callable[[], None] | None = None
+    ) -> None:
         """Run ``func(*args)`` in a thread of the pool, in a copy of the caller's context.
 
         A `Delivery` argument is passed as a copy whose settle methods raise
         ``RuntimeError`` (they are coroutines of the loop). Cancelling the
         caller abandons the job (see the module docstring).
+
+        Args:
+            func: the plain ``def`` to run.
+            args: its arguments.
+            on_end: called once on the event loop when ``func`` really ended,
+                late or not (a cancelled wait does not end a running thread), or
+                when it will never run (abandoned while queued, pool closed).
 
         Raises:
             ClosedError: the pool is closed.
@@ -151,8 +164,12 @@ class HandlerThreads:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         args = tuple(_for_thread(arg) if type(arg) is Delivery else arg for arg in args)
-        job = _Job(func, args, loop, future)
-        self._submit(job)
+        job = _Job(func, args, loop, future, on_end)
+        try:
+            self._submit(job)
+        except BaseException:
+            self._ended(job, now=True)  # it will never run
+            raise
         try:
             await future
         except asyncio.CancelledError:
@@ -198,13 +215,17 @@ class HandlerThreads:
             with self._lock:
                 # Timed out or shut down while queued. Task.cancel() cancels the
                 # awaited future at once; the task marks the job on its next step.
-                if job.state is JobState.ABANDONED or job.future.cancelled():
+                skipped = job.state is JobState.ABANDONED or job.future.cancelled()
+                if skipped:
                     job.state = JobState.ABANDONED
                     self._idle += 1
-                    continue
-                job.state = JobState.RUNNING
-                self._busy += 1
-                self._peak = max(self._peak, self._busy)
+                else:
+                    job.state = JobState.RUNNING
+                    self._busy += 1
+                    self._peak = max(self._peak, self._busy)
+            if skipped:
+                self._ended(job)
+                continue
             self._call(job)
             del job  # drop the body, the delivery and the handler's result now
 
@@ -228,9 +249,23 @@ class HandlerThreads:
                 job.state = JobState.DONE
         if late:
             job.context.run(self._finished_late, job, error)
+        else:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for it
+                job.loop.call_soon_threadsafe(_resolve, job.future, error)
+        self._ended(job)
+
+    def _ended(self, job: _Job, *, now: bool = False) -> None:
+        """Tell the job's owner that the job ended or will never run: once, on its loop
+        (``now``: we are on the loop already)."""
+        with self._lock:
+            on_end, job.on_end = job.on_end, None
+        if on_end is None:
             return
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for it
-            job.loop.call_soon_threadsafe(_resolve, job.future, error)
+        if now:
+            on_end()
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
+            job.loop.call_soon_threadsafe(on_end)
 
     def _finished_late(self, job: _Job, error: BaseException | None) -> None:
         # Run in the job's context, whose structlog contextvars are bound
@@ -274,18 +309,10 @@ class HandlerThreads:
                 job.state = JobState.ABANDONED
             if not job.future.done():
                 job.future.set_exception(ClosedError("the consumer stopped"))
+            self._ended(job)
         for _ in range(threads):
             self._work.put(None)
         return busy
-
-
-def handler_for(spec: HandlerSpec, threads: HandlerThreads | None) -> AsyncHandlerFunc:
-    """What the dispatcher calls for ``spec``: its ``async def``, or the pool's bridge."""
-    if not spec.sync:
-        return cast(AsyncHandlerFunc, spec.func)
-    if threads is None:
-        raise ValueError(f"the plain def handler of {spec.queue!r} needs handler threads")
-    return threads.handler(cast(SyncHandlerFunc, spec.func))
 
 
 def pool_size(concurrency: int | None, prefetch: int) -> int:

@@ -59,7 +59,7 @@ from ._dedup_gate import DedupGate
 from ._dispatch import Dispatcher
 from ._route import ChannelKeeper, Route
 from ._session import Shared
-from ._threads import HandlerThreads, handler_for, pool_size
+from ._threads import HandlerThreads, pool_size
 from .connection import ConnectionSupervisor
 from .dedup.base import DedupStore
 from .dedup.memory import MemoryDedupStore
@@ -80,6 +80,13 @@ __all__ = (
 
 _METRICS_INTERVAL = 0.5
 """Seconds between two additions of the per-delivery counts to Prometheus."""
+_RABBITMQ_CONSUMER_TIMEOUT = 1800.0
+"""RabbitMQ's default ``consumer_timeout`` (seconds), since 3.8.15."""
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class ConsumerStats(NamedTuple):
@@ -185,6 +192,9 @@ class ReliableConsumer(Router):
         self._started = False
         self._stop_task: asyncio.Task[None] | None = None
         self._stop_requested: asyncio.Event | None = None
+        self._in_run = False
+        self._exit_task: asyncio.Task[None] | None = None
+        self._shared.on_exit = self._on_handler_exit
         if dedup == "memory":
             self._dedup: DedupStore | None = MemoryDedupStore(
                 max_entries=self.settings.dedup_max_entries,
@@ -309,6 +319,7 @@ class ReliableConsumer(Router):
                 handler_timeout=timeout,
                 hint="a slow handler's message may run twice at once",
             )
+        self._check_consumer_timeout()
         for spec in self.handlers:
             store = self.dedup_store(spec.queue)
             metrics = self._metrics.for_queue(spec.queue)
@@ -329,7 +340,7 @@ class ReliableConsumer(Router):
                 metrics,
                 self._supervisor.name,
                 gate,
-                handler=handler_for(spec, threads),
+                threads=threads,
             )
         try:
             self._shared.publisher = ReliablePublisher(
@@ -351,24 +362,92 @@ class ReliableConsumer(Router):
             self._shared.stopping = True
             raise
         self._watchdog_task = asyncio.get_running_loop().create_task(
-            self._housekeeping(self.settings.handler_timeout), name="reliable_mq:housekeeping"
+            self._housekeeping(), name="reliable_mq:housekeeping"
         )
         self._log.info("consumer_started", queues=list(self._routes))
+
+    def _check_consumer_timeout(self) -> None:
+        """Warn when handlers may outlive the broker's ``consumer_timeout``."""
+        handler_timeout = self.settings.handler_timeout
+        cut = self._shared.broker_cut
+        if cut is not None:
+            if handler_timeout is None or handler_timeout > cut:
+                self._log.warning(
+                    "handler_timeout_above_consumer_timeout",
+                    handler_timeout=handler_timeout,
+                    consumer_timeout=self._shared.consumer_timeout,
+                    cut_after=round(cut, 3),
+                    hint="handlers are cut (and retried) cut_after seconds after their "
+                    "delivery arrived, before the broker closes the channel",
+                )
+        elif handler_timeout is None or handler_timeout >= _RABBITMQ_CONSUMER_TIMEOUT:
+            self._log.warning(
+                "handler_timeout_above_consumer_timeout",
+                handler_timeout=handler_timeout,
+                consumer_timeout=None,
+                hint="RabbitMQ closes the channel of a delivery unacked for its "
+                "consumer_timeout (30 minutes by default): set handler_timeout below it, "
+                "and ConsumerSettings.consumer_timeout to the broker's value",
+            )
 
     async def run(self) -> None:
         """Start, consume until `stop` or SIGTERM/SIGINT, then shut down gracefully.
 
         Signal handlers are installed only while ``run()`` runs (main thread
         only) and the previous ones are restored afterwards.
+
+        A handler (plain or async) that raises ``SystemExit`` or
+        ``KeyboardInterrupt`` asks for the process to end: its delivery counts
+        as one failed attempt (retried, or dead-lettered after
+        ``max_attempts``), the consumer stops as on `stop` (handlers still
+        running get ``shutdown_grace``, deliveries not yet in a handler are
+        requeued), and then ``run()`` raises that exception, so
+        ``asyncio.run(consumer.run())`` ends the process with the handler's
+        exit code. Without ``run()`` (``start``/``stop``, ``async with``), the
+        exception is raised in the event loop once the consumer has stopped,
+        as asyncio does for these two: ``asyncio.run()`` ends with it.
+
+        Raises:
+            SystemExit: a handler raised it (the first one, if several did).
+            KeyboardInterrupt: a handler raised it.
         """
-        await self.start()
-        assert self._stop_requested is not None
-        restore = self._install_signal_handlers()
+        self._in_run = True
         try:
-            await self._stop_requested.wait()
+            await self.start()
+            assert self._stop_requested is not None
+            restore = self._install_signal_handlers()
+            try:
+                await self._stop_requested.wait()
+            finally:
+                restore()
+                await self.stop()
         finally:
-            restore()
-            await self.stop()
+            self._in_run = False
+        if self._shared.exit_error is not None:
+            raise self._shared.exit_error
+
+    def _on_handler_exit(self, error: BaseException) -> None:
+        self._log.error(
+            "consumer_stopping_on_handler_exit",
+            error=repr(error)[:300],
+            hint="a handler raised SystemExit or KeyboardInterrupt: its delivery counts as a "
+            "failed attempt; the consumer stops, then the exception goes on",
+        )
+        if self._in_run:
+            self.request_stop()
+        elif self._exit_task is None:
+            task = asyncio.get_running_loop().create_task(
+                self._stop_then_raise(error), name="reliable_mq:handler_exit"
+            )
+            # The loop ends with the exception; asyncio.run's clean-up runs this, so
+            # the task is not reported as "exception was never retrieved".
+            task.add_done_callback(_retrieve)
+            self._exit_task = task
+
+    async def _stop_then_raise(self, error: BaseException) -> None:
+        """Stop cleanly, then let the exit out of the event loop (as asyncio would have)."""
+        await self.stop()
+        raise error
 
     def request_stop(self) -> None:
         """Ask a running `run` to stop (safe from a signal handler or callback)."""
@@ -481,13 +560,16 @@ class ReliableConsumer(Router):
         for route in self._routes.values():
             route.metrics.flush()
 
-    async def _housekeeping(self, timeout: float | None) -> None:
+    async def _housekeeping(self) -> None:
         """Add the per-delivery counts to Prometheus every `_METRICS_INTERVAL`, and
-        cancel handlers running past ``handler_timeout`` (checked every tenth of it)."""
-        tick = _METRICS_INTERVAL
-        if timeout is not None:
-            tick = min(max(timeout / 10, 0.01), tick)
+        cancel handlers running past their deadline: ``handler_timeout``, or the cut
+        before the broker's ``consumer_timeout`` (checked every tenth of the shorter)."""
         while True:
+            limits = [t for t in (self.settings.handler_timeout, self._shared.broker_cut) if t]
+            timeout = min(limits) if limits else None
+            tick = _METRICS_INTERVAL
+            if timeout is not None:
+                tick = min(max(timeout / 10, 0.01), tick)
             await asyncio.sleep(tick)
             now = time.perf_counter()
             for route in self._routes.values():

@@ -187,3 +187,8 @@ class DeadLetterReason(enum.StrEnum):
     """The handler raised under ``AckPolicy.DEAD_LETTER_ON_ERROR``."""
     HANDLER_TIMEOUT = "handler_timeout"
     """The handler ran past ``handler_timeout`` under ``AckPolicy.DEAD_LETTER_ON_ERROR``."""
+    CONSUMER_TIMEOUT = "consumer_timeout"
+    """The handler ran past the broker's ``consumer_timeout`` (the broker closed the
+    channel) under ``AckPolicy.DEAD_LETTER_ON_ERROR``. Under the other policies
+    such a run is a failed attempt, and the last one dead-letters with
+    ``max_attempts`` and an error message naming ``consumer_timeout``."""

@@ -282,6 +282,14 @@ class ConsumerSettings(_Settings):
     handler_timeout: float | None = Field(
         default=300.0, gt=0, description="seconds; a slower handler is cancelled and retried"
     )
+    consumer_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds: the broker's consumer_timeout, if known (RabbitMQ's default: "
+        "1800). A handler is cut (and retried) at 85% of it after its delivery arrived, at "
+        "most 30 s before it, so the broker never closes the channel for it. Unset: learned "
+        "from the broker the first time it closes a channel for it",
+    )
     max_attempts: int = Field(
         default=5, ge=1, le=10_000, description="handler runs before dead-lettering"
     )

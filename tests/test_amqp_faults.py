@@ -5,9 +5,21 @@ from __future__ import annotations
 import aiormq
 import pytest
 
-from reliable_mq._amqp_faults import Fault, FaultKind, classify, classify_close
+from reliable_mq._amqp_faults import (
+    Fault,
+    FaultKind,
+    classify,
+    classify_close,
+    consumer_timeout_of,
+)
 
 E = aiormq.exceptions
+
+CONSUMER_TIMEOUT_TEXT = (
+    "PRECONDITION_FAILED - delivery acknowledgement on channel 1 timed out. Timeout value "
+    "used: 4000 ms. This timeout value can be configured, see consumers doc guide to learn more"
+)
+"""RabbitMQ 3.10.8's text, as a private node with ``consumer_timeout = 4000`` sent it."""
 
 TABLE: list[tuple[BaseException, FaultKind, int | None, bool]] = [
     (
@@ -27,6 +39,15 @@ TABLE: list[tuple[BaseException, FaultKind, int | None, bool]] = [
     (
         E.ChannelPreconditionFailed("PRECONDITION_FAILED - invalid expiration"),
         FaultKind.REFUSED,
+        406,
+        False,
+    ),
+    (E.ChannelPreconditionFailed(CONSUMER_TIMEOUT_TEXT), FaultKind.CONSUMER_TIMEOUT, 406, False),
+    (
+        E.ChannelClosed(
+            406, "PRECONDITION_FAILED - delivery acknowledgement on channel 7 timed out"
+        ),
+        FaultKind.CONSUMER_TIMEOUT,
         406,
         False,
     ),
@@ -103,6 +124,24 @@ class TestClassify:
         fault = classify(OSError("cannot reach amqp://u:s3cret@host:5672/"))
         assert fault is not None and "s3cret" not in fault.reply_text
 
+    def test_consumer_timeout_names_the_value_used(self) -> None:
+        """The broker's consumer_timeout is read from its text; it is not a refusal."""
+        fault = classify(E.ChannelPreconditionFailed(CONSUMER_TIMEOUT_TEXT))
+        assert fault is not None and not fault.refusal
+        assert consumer_timeout_of(fault) == 4.0
+        older = classify(
+            E.ChannelPreconditionFailed(
+                "PRECONDITION_FAILED - delivery acknowledgement on channel 2 timed out"
+            )
+        )
+        assert older is not None and older.kind is FaultKind.CONSUMER_TIMEOUT
+        assert consumer_timeout_of(older) is None  # before 3.9 the text does not say
+        refused = classify(E.ChannelPreconditionFailed("PRECONDITION_FAILED - invalid expiration"))
+        assert refused is not None and consumer_timeout_of(refused) is None
+        # Another reply code with those words is not the broker's consumer_timeout.
+        other = classify(E.ChannelClosed(530, "delivery acknowledgement on channel 1 timed out"))
+        assert other is not None and other.kind is FaultKind.REFUSED
+
     def test_refusal_and_broker_initiated(self) -> None:
         """Refusals are the 404 and 40x/50x answers to something we sent."""
         assert Fault(FaultKind.NOT_FOUND, 404).refusal
@@ -128,3 +167,9 @@ class TestClassifyClose:
     def test_table(self, code: int | None, connection_level: bool, kind: FaultKind) -> None:
         """Close frames classify by reply code and level."""
         assert classify_close(code, "x", connection_level=connection_level).kind is kind
+
+    def test_consumer_timeout(self) -> None:
+        """A 406 close with the broker's consumer_timeout text is a fault of its own."""
+        fault = classify_close(406, CONSUMER_TIMEOUT_TEXT, connection_level=False)
+        assert fault.kind is FaultKind.CONSUMER_TIMEOUT
+        assert consumer_timeout_of(fault) == 4.0

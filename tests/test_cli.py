@@ -329,6 +329,37 @@ class TestConsume:
         assert await _queue_depth(broker_url, topology.queue) == 0
         assert await _queue_depth(broker_url, topology.dead_letter_queue) == 2
 
+    @pytest.mark.parametrize("queued", [10, 5, 3])
+    async def test_head_takes_three_and_the_rest_stays_queued(
+        self, broker_url: str, queue: str, queued: int
+    ) -> None:
+        """`consume Q | head -3` through a real pipe: three shown and acked, exit 141 as
+        soon as head is gone (also while waiting for more messages), every other message
+        still in the queue. (It used to ack what sat in the pipe buffer unread, and with
+        nothing more to write, wait for messages until killed.)"""
+        await _publish(broker_url, queue, [f"{n}".encode() for n in range(queued)])
+        read_end, write_end = os.pipe()
+        head = await asyncio.create_subprocess_exec(
+            "head", "-3", stdin=read_end, stdout=asyncio.subprocess.PIPE
+        )
+        os.close(read_end)
+        consume = await _spawn(
+            "consume", queue, url=broker_url, stdout=write_end, stderr=asyncio.subprocess.PIPE
+        )
+        os.close(write_end)
+        shown, _ = await asyncio.wait_for(head.communicate(), 30)
+        try:
+            _, err = await asyncio.wait_for(consume.communicate(), 20)
+        except TimeoutError:
+            consume.kill()
+            await consume.wait()
+            pytest.fail("consume did not notice that its reader was gone")
+        assert shown.decode().splitlines() == ["0", "1", "2"]
+        assert consume.returncode == 141, err
+        assert b"Traceback" not in err
+        rest = await drain_queue(broker_url, queue)
+        assert sorted(int(m.body) for m in rest) == list(range(3, queued))  # none lost
+
     async def test_missing_queue_exits_1(self, broker_url: str) -> None:
         """A queue that does not exist: exit 1 and a one-line reason."""
         run = await cli("consume", f"missing-{uuid.uuid4().hex}", "--idle-timeout", "1",

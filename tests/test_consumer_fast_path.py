@@ -406,10 +406,14 @@ class TestIntake:
             quorum=False,
             spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR, decode=None),
             handler=handler,
+            threads=None,
+            running={},
+            has_overran=False,
             metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
             dedup=None,
             semaphore=None,
         )
+        route.handler_ended = route.running.pop
         session = Session(shared, route, channel)  # type: ignore[arg-type]
         on_delivery = Dispatcher(shared).intake(route, session)  # type: ignore[arg-type]
         on_delivery(

@@ -505,7 +505,9 @@ class TestOutcomes:
 @pytest.mark.rabbitmq
 class TestTimeoutsAndStop:
     async def test_past_handler_timeout_retried_late_result_discarded(self, env: Env) -> None:
-        """Attempt 1 hangs: retried at the timeout, attempt 2 acks; attempt 1's late error is dropped."""
+        """Attempt 1 hangs: retried at the timeout; attempt 2 waits (deferred, not counted)
+        until attempt 1's thread returns, then acks; attempt 1's late error is dropped.
+        (The two used to run at once.)"""
         consumer = env.consumer(handler_timeout=0.3, concurrency=2, max_attempts=3)
         gate = Gate()
         runs: list[int] = []
@@ -523,12 +525,17 @@ class TestTimeoutsAndStop:
                 async with consumer:
                     await env.publish(b"x", ids=["slow"])
                     await wait_until(
+                        lambda: (s := consumer.stats()).deferred >= 2 and s.in_progress == 0,
+                        "attempt 2 deferred while attempt 1 still runs",
+                    )
+                    stats = consumer.stats()
+                    assert (stats.retried, stats.acked, stats.threads_busy) == (1, 0, 1)
+                    assert runs == [1]  # never twice at once
+                    gate.release.set()
+                    await wait_until(
                         lambda: (s := consumer.stats()).acked == 1 and s.in_progress == 0,
                         "attempt 2's ack, and nothing in progress",
                     )
-                    stats = consumer.stats()
-                    assert (stats.retried, stats.in_progress, stats.threads_busy) == (1, 0, 1)
-                    gate.release.set()
                     await wait_until(lambda: consumer.stats().threads_busy == 0, "a free thread")
                     await asyncio.sleep(0.3)  # room for a (wrong) second settle
                     stats = consumer.stats()

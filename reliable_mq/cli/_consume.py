@@ -2,7 +2,11 @@
 
 Each message is written (and, with ``--output``, flushed and fsynced) *before*
 it is settled, so ``--ack-mode ack`` never removes a message that did not reach
-the output. ``requeue`` holds every message unacknowledged until the command
+the output. Into a pipe (``| head -3``), "reached" means taken by the reader:
+the lines go one at a time, and each is settled once the pipe is empty again
+(the reader read it); a reader that is gone (EPIPE, or seen while waiting for
+messages) ends the command at once with 141, and what it did not take stays in
+the queue. ``requeue`` holds every message unacknowledged until the command
 ends and then returns them all, so the broker never hands the same message
 back during the run (a peek); ``reject`` drops them, or dead-letters them when
 the queue has a dead-letter exchange (queues declared by ``topology`` do).
@@ -13,10 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
+import select
 import stat
+import struct
 import sys
+import termios
 from typing import IO, Any
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -113,6 +121,89 @@ def _durable_flush(output: IO[bytes]) -> None:
         os.fsync(fileno)
 
 
+class _PipeReader:
+    """The reader at the other end of the output, when the output is a pipe.
+
+    A pipe takes up to 64 KiB before its reader reads anything: "written"
+    must mean "read". `FIONREAD` on the write end counts the bytes still in
+    the pipe, and ``POLLERR`` says that no reader is left.
+    """
+
+    WATCH = 0.1
+    """Seconds between two looks for a reader gone while no message comes."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLERR | select.POLLHUP)
+
+    @classmethod
+    def of(cls, output: IO[bytes]) -> _PipeReader | None:
+        try:
+            fd = output.fileno()
+            return cls(fd) if stat.S_ISFIFO(os.fstat(fd).st_mode) else None
+        except (OSError, ValueError):
+            return None
+
+    def gone(self) -> bool:
+        return bool(self._poll.poll(0))
+
+    def unread(self) -> int:
+        return int(struct.unpack("i", fcntl.ioctl(self.fd, termios.FIONREAD, b"\0" * 4))[0])
+
+    async def took_all(self, stop: asyncio.Event) -> bool:
+        """Wait until the pipe is empty: True; False if told to stop first.
+
+        Raises:
+            BrokenPipeError: the reader is gone (what it did not read is lost to it).
+        """
+        pause = 0.0
+        while self.unread():
+            if self.gone():
+                raise BrokenPipeError("the reader of the output is gone")
+            if stop.is_set():
+                return False
+            await asyncio.sleep(pause)
+            pause = min(pause * 2 or 0.0002, 0.02)
+        return True
+
+    async def wait_gone(self) -> None:
+        while not self.gone():
+            await asyncio.sleep(self.WATCH)
+
+
+async def _write(
+    output: IO[bytes],
+    reader: _PipeReader | None,
+    messages: list[AbstractIncomingMessage],
+    as_json: bool,
+    stop: asyncio.Event,
+) -> tuple[int, bool]:
+    """Write ``messages``: how many reached the output (the first ones), and
+    whether its reader is gone (a broken pipe).
+
+    Raises:
+        OSError: the output cannot be written (not a broken pipe).
+    """
+    if reader is None:  # a file (fsynced) or a terminal: what was written is there
+        try:
+            for message in messages:
+                output.write(_render(message, as_json))
+            _durable_flush(output)
+        except BrokenPipeError:
+            return 0, True
+        return len(messages), False
+    for index, message in enumerate(messages):
+        try:
+            output.write(_render(message, as_json))
+            output.flush()
+            if not await reader.took_all(stop):
+                return index, False
+        except BrokenPipeError:
+            return index, True
+    return len(messages), False
+
+
 def _silence_stdout() -> None:
     """After a broken pipe, point stdout at /dev/null so the exit flush cannot fail."""
     with contextlib.suppress(OSError, ValueError):
@@ -125,20 +216,29 @@ async def _next_batch(
     stop: asyncio.Event,
     idle_timeout: float | None,
     room: int,
+    reader: _PipeReader | None,
 ) -> list[AbstractIncomingMessage | None] | None:
-    """Wait for at least one message (None: stop or idle), then take what is ready."""
+    """Wait for at least one message (None: stop or idle), then take what is ready.
+
+    Raises:
+        BrokenPipeError: the reader of the output left while we waited.
+    """
     if inbox.empty():
         getter = asyncio.ensure_future(inbox.get())
         stopper = asyncio.ensure_future(stop.wait())
+        waiters: list[asyncio.Future[Any]] = [getter, stopper]
+        if reader is not None:
+            waiters.append(asyncio.ensure_future(reader.wait_gone()))
         try:
-            await asyncio.wait(
-                (getter, stopper), timeout=idle_timeout, return_when=asyncio.FIRST_COMPLETED
-            )
+            await asyncio.wait(waiters, timeout=idle_timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stopper.cancel()
+            for waiter in waiters[1:]:
+                waiter.cancel()
             if not getter.done():
                 getter.cancel()
         if not getter.done() or getter.cancelled():
+            if reader is not None and waiters[2].done() and not waiters[2].cancelled():
+                raise BrokenPipeError("the reader of the output is gone")
             return None
         batch = [getter.result()]
     else:
@@ -177,10 +277,16 @@ async def run_consume(args: argparse.Namespace) -> int:
 
             consumer_tag = await queue.consume(on_message, no_ack=False)
             pending: list[AbstractIncomingMessage] = []
+            reader = _PipeReader.of(output)
             try:
                 while (limit is None or written < limit) and not stop.is_set():
                     room = limit - written if limit is not None else window
-                    batch = await _next_batch(inbox, stop, args.idle_timeout, room)
+                    try:
+                        batch = await _next_batch(inbox, stop, args.idle_timeout, room, reader)
+                    except BrokenPipeError:
+                        broken_pipe = True
+                        _silence_stdout()
+                        break
                     if batch is None:
                         break
                     messages = [m for m in batch if m is not None]
@@ -190,25 +296,22 @@ async def run_consume(args: argparse.Namespace) -> int:
                         failure = "the channel to the broker closed"
                         break
                     try:
-                        for message in messages:
-                            output.write(_render(message, args.json))
-                        _durable_flush(output)
-                    except BrokenPipeError:
-                        broken_pipe = True
-                        _silence_stdout()
-                        break
+                        taken, broken_pipe = await _write(output, reader, messages, args.json, stop)
                     except OSError as exc:
                         failure = f"cannot write the output: {exc}"
                         break
-                    pending = []
-                    for message in messages:
+                    pending = messages[taken:]
+                    for message in messages[:taken]:
                         if requeue:
                             held.append(message)
                         elif args.ack_mode == "reject":
                             await message.nack(requeue=False)
                         else:
                             await message.ack()
-                    written += len(messages)
+                    written += taken
+                    if broken_pipe:
+                        _silence_stdout()
+                        break
                 if channel.is_closed:
                     failure = failure or "the channel to the broker closed"
                 else:

@@ -76,6 +76,9 @@ class PrivateBroker:
         dist_port: Erlang distribution port.
         mgmt_port: Management port, used only if the management plugin is
             enabled (it is not by default).
+        extra_config: lines added to ``rabbitmq.conf`` (``consumer_timeout = 4000``).
+        advanced_config: the contents of ``advanced.config`` (an Erlang term,
+            ``[{rabbit, [{channel_tick_interval, 1000}]}].``), or None for none.
     """
 
     def __init__(
@@ -86,6 +89,8 @@ class PrivateBroker:
         amqp_port: int = 5673,
         dist_port: int = 25673,
         mgmt_port: int = 15673,
+        extra_config: str = "",
+        advanced_config: str | None = None,
     ) -> None:
         sbin = find_rabbitmq_sbin()
         if sbin is None:
@@ -100,6 +105,8 @@ class PrivateBroker:
         self.home = self.base_dir / "home"
         self.pid_file = self.base_dir / f"{node_name.split('@', 1)[0]}.pid"
         self.log_dir = self.base_dir / "log"
+        self.extra_config = extra_config
+        self.advanced_config = advanced_config
         self._prepare()
         self.env = self._make_env()
 
@@ -123,7 +130,10 @@ class PrivateBroker:
             "log.console = false\n"
             "log.file.level = info\n"
             f"management.tcp.port = {self.mgmt_port}\n"
+            + (self.extra_config.rstrip("\n") + "\n" if self.extra_config else "")
         )
+        if self.advanced_config is not None:
+            (self.base_dir / "advanced.config").write_text(self.advanced_config)
 
     def _make_env(self) -> dict[str, str]:
         env = {
@@ -333,10 +343,13 @@ class PrivateBroker:
 
 
 @contextlib.contextmanager
-def running_private_node(prefix: str) -> Iterator[PrivateBroker]:
+def running_private_node(
+    prefix: str, *, extra_config: str = "", advanced_config: str | None = None
+) -> Iterator[PrivateBroker]:
     """Start a private node on free ports with a unique name; remove it afterwards.
 
     Without RabbitMQ installed this fails under CI (``CI`` set) and skips elsewhere.
+    ``extra_config`` and ``advanced_config``: see `PrivateBroker`.
     """
     import pytest
 
@@ -350,6 +363,8 @@ def running_private_node(prefix: str) -> Iterator[PrivateBroker]:
         amqp_port=free_port(),
         dist_port=free_port(),
         mgmt_port=free_port(),
+        extra_config=extra_config,
+        advanced_config=advanced_config,
     )
     try:
         node.start()
