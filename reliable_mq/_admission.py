@@ -92,5 +92,10 @@ async def _check_exchange(engine: Engine, out: Outgoing) -> None:
         raise engine.timeout_error(out) from None
     except ClosedError:
         raise engine.aborted_error(out) from None
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the caller itself is cancelled
+        raise engine.aborted_error(out) from None  # the shared probe was: we are closing
     if fault is not None and fault.refusal:
         raise exchange_error(out, out.exchange, fault)

@@ -84,11 +84,18 @@ class Engine:
         self.isolation: Isolation | None = None
         self.closed = False
         self.aborting = False
+        self.abort_reason = ""
+        """Why `abort` was called, for the errors (empty: ``close()`` gave up)."""
         self.unavailable = False
         self.down_since: float | None = None
         self.outstanding = 0
         """Admitted messages whose caller does not have the outcome yet."""
+        self.waiting = 0
+        """Callers between hand-over and admission (a window slot, their id, their exchange)."""
+        self.batches = 0
+        """``publish_many()`` calls running (their input was handed over as a whole)."""
         self.idle = asyncio.Event()
+        """Set while no caller waits for an outcome: nothing outstanding, nobody waiting."""
         self.idle.set()
         self.stream = StreamKeeper(
             supervisor, self, open_timeout=open_timeout, log=log, needed=self._needed
@@ -103,7 +110,32 @@ class Engine:
         self.republished = self.failed = 0
 
     def _needed(self) -> bool:
-        return not self.closed or bool(self.by_id)
+        return not self.closed or bool(self.by_id) or bool(self.waiting or self.batches)
+
+    @property
+    def pending(self) -> int:
+        """Callers without an outcome: admitted and outstanding, or waiting for admission."""
+        return self.outstanding + self.waiting
+
+    def hold(self) -> None:
+        """A caller waits for admission: the engine is not idle until `unhold`."""
+        self.waiting += 1
+        self.idle.clear()
+
+    def unhold(self) -> None:
+        self.waiting -= 1
+        if not self.waiting and not self.outstanding:
+            self._went_idle()
+
+    def begin_batch(self) -> None:
+        """A ``publish_many()`` runs: the engine is not idle until `end_batch`."""
+        self.batches += 1
+        self.idle.clear()
+
+    def end_batch(self) -> None:
+        self.batches -= 1
+        if not self.batches and not self.outstanding:
+            self._went_idle()
 
     # -- admission ------------------------------------------------------------------
 
@@ -122,10 +154,21 @@ class Engine:
     async def admit(self, out: Outgoing) -> None:
         """Wait (until the message's deadline) for its id, its exchange and a slot; send it.
 
+        While it waits, the caller counts as `waiting`: ``close()`` waits for it
+        as for an admitted message.
+
         Raises:
             PublishError: the deadline passed, the exchange is missing or refused,
                 the broker is unavailable, or the publisher is closing.
         """
+        self.hold()
+        try:
+            await self.admit_held(out)
+        finally:
+            self.unhold()
+
+    async def admit_held(self, out: Outgoing) -> None:
+        """`admit` for a caller already counted by `hold` (it calls `unhold` after)."""
         try:
             await wait_for_admission(self, out)
         except PublishError as exc:
@@ -133,6 +176,10 @@ class Engine:
             out.metrics.failure(type(exc).__name__)
             raise
         self._admitted(out)
+
+    def owns(self, out: Outgoing) -> bool:
+        """``out`` was admitted: the engine gives its caller the outcome."""
+        return out.finished or self.by_id.get(out.message_id) is out
 
     def _admitted(self, out: Outgoing) -> None:
         """``out`` holds its slot and its id: count it, and send it or queue it."""
@@ -493,6 +540,8 @@ class Engine:
                         waiter.set_result(None)
 
     def _went_idle(self) -> None:
+        if self.waiting or self.batches:
+            return
         self.idle.set()
         self.on_idle()
 
@@ -504,7 +553,7 @@ class Engine:
         return timeout_error(out)
 
     def aborted_error(self, out: Outgoing) -> PublishAborted:
-        return aborted_error(out)
+        return aborted_error(out, self.abort_reason)
 
     def unavailable_error(self, out: Outgoing) -> PublishUnavailable:
         return unavailable_error(out, self.settings.unavailable_timeout)
@@ -566,8 +615,16 @@ class Engine:
             if not out.finished and out.tag == 0:
                 self.fail(out, self.unavailable_error(out))
 
-    def abort(self) -> None:
-        """close() gave up: every message without an outcome fails with PublishAborted."""
+    def abort(self, why: str = "") -> int:
+        """Fail every caller without an outcome with PublishAborted, now; return how many.
+
+        Admitted messages fail here; callers waiting for admission are woken and
+        fail as they leave it (`waiting` then drops to 0). ``why`` replaces the
+        error's default wording ("publisher closed before a confirm").
+        """
+        count = self.pending
+        if not self.aborting:
+            self.abort_reason = why
         self.aborting = True
         self.window.fail_waiters(Aborted())
         for out in list(self.by_id.values()):
@@ -576,6 +633,7 @@ class Engine:
         for out in list(self.by_id.values()):
             out.tag = 0
             self._release(out)
+        return count
 
 
 def _seq(out: Outgoing) -> int:

@@ -31,9 +31,11 @@ def timeout_error(out: Outgoing) -> PublishTimeout:
     )
 
 
-def aborted_error(out: Outgoing) -> PublishAborted:
+def aborted_error(out: Outgoing, why: str = "") -> PublishAborted:
+    """``close()`` gave up on ``out`` (or ``why``: the publisher could no longer send)."""
+    reason = why or "publisher closed before a confirm"
     return PublishAborted(
-        "publisher closed before a confirm; the broker may still have it",
+        f"{reason}; the broker may still have it" if out.attempts else f"{reason}; never sent",
         message_id=out.message_id,
         attempts=out.attempts,
     )

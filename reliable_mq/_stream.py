@@ -142,6 +142,11 @@ class StreamKeeper:
         self.generation = 0
         self._keeper: asyncio.Task[None] | None = None
         self._first_open: asyncio.Future[None] | None = None
+        self._closing = False
+        self.on_stopped: Callable[[str], None] | None = None
+        """Called once if the keeper task ends before `close` (cancelled from outside, as
+        the event loop's shutdown does, or failed): no channel will open again, and
+        no confirm or loss of the messages in flight will ever be reported."""
 
     async def start(self) -> None:
         """Open the first channel (bounded by ``open_timeout``)."""
@@ -150,10 +155,22 @@ class StreamKeeper:
         self._keeper = loop.create_task(
             self._keep(), name=f"reliable_mq:{self._supervisor.name}:channel"
         )
+        self._keeper.add_done_callback(self._keeper_ended)
         async with asyncio.timeout(self._open_timeout):
             await asyncio.shield(self._first_open)
 
+    def _keeper_ended(self, task: asyncio.Task[None]) -> None:
+        if self._closing or self.on_stopped is None:
+            return
+        if task.cancelled():
+            why = "its channel keeper was cancelled"
+        else:
+            exc = task.exception()
+            why = f"its channel keeper failed: {exc!r}" if exc else "its channel keeper ended"
+        self.on_stopped(why)
+
     async def close(self) -> None:
+        self._closing = True
         if self._keeper is not None:
             self._keeper.cancel()
             await asyncio.gather(self._keeper, return_exceptions=True)

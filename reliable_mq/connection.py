@@ -14,7 +14,7 @@ import contextvars
 import enum
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import aio_pika
 from aio_pika.abc import AbstractConnection
@@ -104,6 +104,11 @@ class ConnectionSupervisor:
         self.connected_at = 0.0
         """Loop time when the current connection opened."""
         self._short_lives = 0
+        self.on_stopped: Callable[[str], None] | None = None
+        """Called once if supervision ends while the supervisor is not closed (its
+        task was cancelled from outside, as the event loop's shutdown does, or
+        failed): no reconnect will come, and `wait_connected` raises from then on."""
+        self._stopped: str | None = None
 
     @property
     def name(self) -> str:
@@ -149,6 +154,7 @@ class ConnectionSupervisor:
             self._task = asyncio.get_running_loop().create_task(
                 self._supervise(), name=f"reliable_mq:{self._name}"
             )
+            self._task.add_done_callback(self._supervision_ended)
             return
         self._state = ConnectionState.CLOSED
         raise BrokerUnavailable("no broker accepted a connection: " + "; ".join(errors))
@@ -162,6 +168,8 @@ class ConnectionSupervisor:
         while True:
             if self._state is ConnectionState.CLOSED:
                 raise ClosedError(f"connection {self._name} is closed")
+            if self._stopped is not None:
+                raise ClosedError(f"connection {self._name} is no longer kept: {self._stopped}")
             connection = self.connection
             if connection is not None and not connection.is_closed:
                 return connection
@@ -186,6 +194,19 @@ class ConnectionSupervisor:
                 self._log.debug("connection_close_error")
         self._metrics_up.set(0)
         self._log.debug("connection_closed")
+
+    def _supervision_ended(self, task: asyncio.Task[None]) -> None:
+        if self._state is ConnectionState.CLOSED:
+            return  # close() stopped it
+        if task.cancelled():
+            why = "its supervision task was cancelled"
+        else:
+            exc = task.exception()
+            why = f"its supervision task failed: {_describe(exc)}" if exc else "supervision ended"
+        self._stopped = why
+        self._connected.set()  # wake waiters: they raise ClosedError now
+        if self.on_stopped is not None:
+            self.on_stopped(why)
 
     def _closed(self) -> bool:
         """Re-read the state (it changes while we await)."""

@@ -26,7 +26,9 @@ Outcomes per message:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+import functools
 import secrets
 import time
 from collections.abc import AsyncIterable, Callable, Iterable
@@ -124,11 +126,18 @@ class ReliablePublisher:
             log=self._log,
         )
         self._engine.on_idle = self._flush_metrics
+        self._supervisor.on_stopped = self._io_stopped
+        self._engine.stream.on_stopped = self._io_stopped
         self._in_flight_gauge = self._metrics.in_flight.labels(self._supervisor.name)
         self._labelled: dict[str, ExchangeMetrics] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._admitting: set[asyncio.Task[None]] = set()
         self._state = PublisherState.IDLE
+        self._closed: asyncio.Event | None = None
+        """Set once a ``close()`` has finished (created by the first one)."""
+        self._io_gone: str | None = None
+        """Why the publisher's I/O stopped without ``close()`` (see `_io_stopped`)."""
+        self._stopping_io = False
         self._seq = 0
         self._published = 0
 
@@ -178,52 +187,123 @@ class ReliablePublisher:
             self._watchdog = asyncio.get_running_loop().create_task(
                 self._watch(), name=f"reliable_mq:{self._supervisor.name}:deadlines"
             )
+            self._watchdog.add_done_callback(self._watchdog_ended)
             await self._engine.stream.start()
         except BaseException:
             await self._shutdown()
             raise
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait until every accepted message has a final outcome.
+        """Wait until every message handed over has a final outcome.
+
+        Callers still waiting for a window slot count: their messages were
+        handed over too.
 
         Raises:
             FlushTimeout: ``timeout`` seconds passed first (the messages stay in flight).
         """
         engine = self._engine
-        if engine.outstanding == 0:
+        if engine.idle.is_set():
             return
         try:
             async with asyncio.timeout(timeout):
                 await engine.idle.wait()
         except TimeoutError:
             raise FlushTimeout(
-                f"{engine.outstanding} messages still unconfirmed after {timeout}s"
+                f"{engine.pending} messages still unconfirmed after {timeout}s"
             ) from None
 
     async def close(self, timeout: float | None = None) -> None:
-        """Stop taking messages, wait for outstanding confirms, then close.
+        """Stop taking messages, publish what was handed over, then close.
 
-        Messages still unconfirmed after ``timeout`` (default
-        ``settings.close_timeout``) fail with
-        [PublishAborted][reliable_mq.errors.PublishAborted]; nothing is dropped
-        silently.
+        New calls fail with [ClosedError][reliable_mq.errors.ClosedError] from
+        the moment ``close()`` begins. Every message handed over before, including
+        the callers still waiting for a window slot, keeps being published
+        (republished, confirmed) for up to ``timeout`` seconds (default
+        ``settings.close_timeout``). Whatever has no outcome then fails with
+        [PublishAborted][reliable_mq.errors.PublishAborted], and an error
+        ``close_aborted`` is logged with the count. When ``close()`` returns, every
+        ``publish()``, ``enqueue()`` future, ``publish_with_callback()`` callback and
+        ``publish_many()`` message has its outcome. It never waits on I/O that is
+        gone: if the publisher's tasks were cancelled from outside (the event
+        loop shutting down), the messages in flight fail with ``PublishAborted`` at
+        once. Cancelling ``close()`` aborts the same way, then re-raises.
+
+        Concurrent and later calls wait for the first one to finish.
         """
-        if self._state in (PublisherState.CLOSING, PublisherState.CLOSED):
+        if self._closed is not None:
+            await self._closed.wait()
             return
-        started = self._state is PublisherState.OPEN
+        self._closed = asyncio.Event()
+        try:
+            await self._close(self.settings.close_timeout if timeout is None else timeout)
+        finally:
+            self._state = PublisherState.CLOSED
+            self._closed.set()
+
+    async def _close(self, wait: float) -> None:
+        started = self._state is not PublisherState.IDLE
         self._state = PublisherState.CLOSING
-        self._engine.closed = True
-        if started:
-            wait = self.settings.close_timeout if timeout is None else timeout
-            try:
-                await self.flush(wait)
-            except FlushTimeout:
-                self._log.warning("close_abandoning_messages", outstanding=self._engine.outstanding)
-                self._engine.abort()
+        engine = self._engine
+        engine.closed = True
+        if not started:
+            return
+        try:
+            settled = engine.idle.is_set()
+            if not settled:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await engine.idle.wait()
+                        settled = True
+            if not settled:
+                await self._abort(f"close() waited {wait:g}s", "close_aborted", timeout=wait)
+        except asyncio.CancelledError:
+            await self._abort("close() was cancelled", "close_aborted", cancelled=True)
             await self._shutdown()
-        self._state = PublisherState.CLOSED
+            raise
+        await self._shutdown()
+
+    async def _abort(self, why: str, event: str, **log: Any) -> None:
+        """Fail every caller without an outcome (PublishAborted) and log how many."""
+        engine = self._engine
+        count = engine.abort()
+        if count:
+            self._log.error(event, aborted=count, reason=why, **log)
+        # Callers waiting for admission were woken with their error: let them leave.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await engine.idle.wait()
+
+    def _io_stopped(self, why: str) -> None:
+        """A task the publisher cannot work without ended, and not by ``close()``.
+
+        Nothing in flight can be confirmed any more (its channel, its reader or
+        its deadline sweep is gone; this is what the event loop's shutdown does
+        to every task), so every caller without an outcome fails now with
+        ``PublishAborted``, and new calls with ``ClosedError``. ``close()``
+        then only releases what is left.
+        """
+        if self._stopping_io or self._io_gone is not None:
+            return
+        self._io_gone = why
+        if self._state is PublisherState.OPEN:
+            self._state = PublisherState.CLOSING
+        engine = self._engine
+        engine.closed = True
+        count = engine.abort(f"the publisher stopped ({why})")
+        if count:
+            self._log.error("publisher_io_stopped", reason=why, aborted=count)
+        else:
+            self._log.info("publisher_io_stopped", reason=why, aborted=0)
+
+    def _watchdog_ended(self, task: asyncio.Task[None]) -> None:
+        why = "its deadline sweep was cancelled"
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            why = f"its deadline sweep failed: {exc!r}"
+        self._io_stopped(why)
 
     async def _shutdown(self) -> None:
+        self._stopping_io = True
         self._engine.closed = True
         for task in list(self._admitting):
             task.cancel()
@@ -324,22 +404,30 @@ class ReliablePublisher:
             callback(None, exc)
             return
         out.callback = callback
-        if not self._engine.admit_now(out):
+        engine = self._engine
+        if not engine.admit_now(out):
+            engine.hold()  # counted from now: close() waits for it like the others
             task = asyncio.get_running_loop().create_task(self._admit_for_callback(out))
             self._admitting.add(task)
-            task.add_done_callback(self._admitting.discard)
+            task.add_done_callback(functools.partial(self._admitted_for_callback, out))
 
     async def _admit_for_callback(self, out: Outgoing) -> None:
         """The slow path of ``publish_with_callback``: wait for a slot or a probe."""
-        callback = out.callback
-        assert callback is not None
         try:
-            await self._engine.admit(out)
+            await self._engine.admit_held(out)  # held by publish_with_callback
         except PublishError as exc:  # not admitted: the engine will not call back
-            callback(None, exc)
-        except asyncio.CancelledError:
-            callback(None, self._engine.aborted_error(out))
-            raise
+            _refuse(out, exc)
+
+    def _admitted_for_callback(self, out: Outgoing, task: asyncio.Task[None]) -> None:
+        """Its admission ended: a callback still owed (the task was cancelled, even
+        before it ran) gets ``PublishAborted``."""
+        self._admitting.discard(task)
+        engine = self._engine
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._log.error("publish_admission_failed", error=repr(exc))
+        if out.callback is not None and not engine.owns(out):
+            _refuse(out, engine.aborted_error(out))
+        engine.unhold()
 
     async def publish_many(
         self,
@@ -367,6 +455,12 @@ class ReliablePublisher:
             raise_on_error: raise [PublishBatchError][reliable_mq.errors.PublishBatchError]
                 (carrying the result) if any message failed.
 
+        A batch running when ``close()`` begins was handed over: it goes on
+        reading its input while ``close()``'s timeout lasts. If ``close()`` gives
+        up first, the messages in flight fail with ``PublishAborted``, the next
+        one read fails with ``ClosedError`` and the batch stops there
+        (``stopped_early``).
+
         Raises:
             PublishBatchError: some messages failed and ``raise_on_error`` is set.
             InvalidMessage: ``timeout`` is not a finite positive number.
@@ -379,6 +473,20 @@ class ReliablePublisher:
             isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 1
         ):
             raise InvalidSettings("publish_many", [("max_failures", "must be an int >= 1")])
+        engine = self._engine
+        engine.begin_batch()  # close() waits for the whole batch: its input was handed over
+        try:
+            return await self._publish_batch(messages, timeout, max_failures, raise_on_error)
+        finally:
+            engine.end_batch()
+
+    async def _publish_batch(
+        self,
+        messages: Iterable[Message] | AsyncIterable[Message],
+        timeout: float | None,
+        max_failures: int | None,
+        raise_on_error: bool,
+    ) -> BatchResult:
         batch = Batch()
         stopped_early = False
         try:
@@ -418,6 +526,9 @@ class ReliablePublisher:
         """Read one message of a batch into flight; True when the batch must stop."""
         try:
             out = self._prepare_message(message, timeout)
+        except ClosedError as exc:  # close() began: the rest of the input is not read
+            batch.rejected(index, getattr(message, "message_id", None) or "", exc)
+            return True
         except ReliableMQError as exc:
             batch.rejected(index, getattr(exc, "message_id", ""), exc)
         else:
@@ -456,8 +567,15 @@ class ReliablePublisher:
 
     def _check_open(self) -> None:
         if self._state is not PublisherState.OPEN:
+            if self._io_gone is not None:
+                raise ClosedError(f"publisher stopped: {self._io_gone}")
             state = "not started" if self._state is PublisherState.IDLE else "closed"
             raise ClosedError(f"publisher is {state}")
+
+    def _check_batch_open(self) -> None:
+        """A running batch reads on while ``close()`` waits, not once it gave up."""
+        if self._state is not PublisherState.CLOSING or self._engine.aborting:
+            self._check_open()
 
     def _prepare(
         self,
@@ -483,7 +601,8 @@ class ReliablePublisher:
             raise InvalidMessage(
                 f"publish_many takes Message objects, not {type(message).__name__}"
             )
-        self._check_open()
+        if self._state is not PublisherState.OPEN:
+            self._check_batch_open()
         deadline_in = self._preparer.deadline_in(timeout)
         self._seq += 1
         message_id, encoded, mandatory = self._preparer.encode(
@@ -552,3 +671,10 @@ class ReliablePublisher:
         self._in_flight_gauge.set(self._engine.window.taken)
         for children in self._labelled.values():
             children.flush()
+
+
+def _refuse(out: Outgoing, error: ReliableMQError) -> None:
+    """Call back a message that was never admitted (once: the callback is dropped)."""
+    callback, out.callback = out.callback, None
+    if callback is not None:
+        callback(None, error)
