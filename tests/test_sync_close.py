@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -29,6 +30,7 @@ from reliable_mq import (
     ReliableMQError,
 )
 from reliable_mq.sync import BlockingPublisher
+from reliable_mq.sync._process import EXIT_MARGIN
 from tests.support.amqp import drain_queue_sync, run_sync
 from tests.support.threaded_proxy import ThreadedProxy
 
@@ -171,7 +173,7 @@ _EXIT_SCRIPT = textwrap.dedent(
     from reliable_mq import ConnectionSettings, PublisherSettings
     from reliable_mq.sync import BlockingPublisher
 
-    url, queue, count, exit_timeout, in_flight = sys.argv[1:6]
+    url, queue, count, exit_timeout, in_flight, mode = sys.argv[1:7]
     futures = []
 
     def report():  # registered first: runs after the publisher's exit hook
@@ -195,6 +197,10 @@ _EXIT_SCRIPT = textwrap.dedent(
     publisher.start()
     print("ready", flush=True)
     sys.stdin.readline()
+    if mode == "block":  # a callback that never returns holds the loop thread
+        first = publisher.submit(b"x", routing_key=queue, message_id="blocker")
+        first.add_done_callback(lambda _: time.sleep(3600))
+        futures.append(first)
     for n in range(int(count)):
         futures.append(publisher.submit(b"x", routing_key=queue, message_id=f"exit-{n}"))
     print("submitted", flush=True)
@@ -205,17 +211,11 @@ _EXIT_SCRIPT = textwrap.dedent(
 
 
 def _exit_run(
-    url: str, queue: str, count: int, exit_timeout: float, in_flight: int
+    url: str, queue: str, count: int, exit_timeout: float, in_flight: int, mode: str = "plain"
 ) -> subprocess.Popen[str]:
+    args = [url, queue, *map(str, (count, exit_timeout, in_flight)), mode]
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            _EXIT_SCRIPT,
-            url,
-            queue,
-            *map(str, (count, exit_timeout, in_flight)),
-        ],
+        [sys.executable, "-c", _EXIT_SCRIPT, *args],
         cwd=ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -265,3 +265,22 @@ class TestInterpreterExit:
         assert json.loads(out.strip().splitlines()[-1]) == {"PublishAborted": 50}, err[-3000:]
         aborted = [line for line in err.splitlines() if "close_aborted" in line]
         assert len(aborted) == 1 and "aborted=50" in aborted[0], err[-3000:]
+
+    def test_exit_fails_and_logs_what_a_blocked_loop_thread_holds(
+        self, broker_url: str, squeue: str
+    ) -> None:
+        """A future callback that never returns blocks the loop thread: the exit hook
+        gives up after exit_timeout + EXIT_MARGIN, and every future it could not settle
+        fails with PublishAborted, counted in one error line (taken by the loop and
+        unsettled: ``aborted``; never taken: ``never_sent``)."""
+        process = _exit_run(broker_url, squeue, 20, 1.0, 10, "block")
+        _go(process)
+        started = time.monotonic()
+        out, err = process.communicate("exit\n", timeout=60)
+        took = time.monotonic() - started
+        assert process.returncode == 0, err[-3000:]
+        assert took < 1.0 + EXIT_MARGIN + 5, took
+        assert json.loads(out.strip().splitlines()[-1]) == {"ok": 1, "PublishAborted": 20}
+        [unsent] = [line for line in err.splitlines() if "close_unsent" in line]
+        counts = dict(re.findall(r"(aborted|never_sent)=(\d+)", unsent))
+        assert int(counts["aborted"]) + int(counts["never_sent"]) == 20, unsent

@@ -242,7 +242,18 @@ class BlockingPublisher:
             runtime.dead = True
             if not runtime.thread.stop(timeout=join):
                 self._log.warning("loop_thread_stuck", thread=runtime.thread.name)
-            runtime.sweep()
+            never_sent = runtime.sweep()
+            abandoned = runtime.abandon()
+            if never_sent or abandoned:
+                self._log.error(
+                    "close_unsent",
+                    connection=self.connection_name,
+                    aborted=abandoned,
+                    never_sent=never_sent,
+                    reason="the loop thread did not finish closing in time"
+                    if abandoned
+                    else "handed over after the loop stopped",
+                )
         finally:
             self._state = PublisherState.CLOSED
             closed.set()

@@ -17,7 +17,7 @@ from collections import deque
 from functools import partial
 from typing import Any, Protocol, TypeAlias
 
-from ..errors import ClosedError, ReliableMQError
+from ..errors import PublishAborted, ReliableMQError
 from ..message import MessageOptions
 from ..outcomes import PublishResult
 from ..publisher import ReliablePublisher
@@ -76,7 +76,17 @@ Submission: TypeAlias = tuple[
 class Runtime:
     """The loop thread and the async publisher it owns, for one process."""
 
-    __slots__ = ("active", "dead", "idle", "publisher", "queue", "scheduled", "slots", "thread")
+    __slots__ = (
+        "active",
+        "dead",
+        "idle",
+        "pending",
+        "publisher",
+        "queue",
+        "scheduled",
+        "slots",
+        "thread",
+    )
 
     def __init__(self, thread: LoopThread, publisher: ReliablePublisher, max_pending: int) -> None:
         self.thread = thread
@@ -87,6 +97,10 @@ class Runtime:
         self.dead = False
         self.active = 0
         """Loop thread only: publishes started and not yet settled."""
+        self.pending: dict[Sink, str] = {}
+        """Sinks handed to the async publisher and not settled yet, with their message
+        ids. Whoever pops a sink settles it: the loop thread, or `abandon` when the
+        loop thread did not finish in time (dict.pop is atomic)."""
         self.idle: asyncio.Event | None = None
 
     def push(self, item: Submission) -> None:
@@ -117,6 +131,7 @@ class Runtime:
                     self.slots.release()  # cancelled by the caller before we took it
                 continue
             self.active += 1
+            self.pending[sink] = options.get("message_id") or ""
             context.run(
                 publish,
                 partial(settle, sink, bounded),
@@ -140,23 +155,59 @@ class Runtime:
         self.active -= 1
         if not self.active and self.idle is not None:
             self.idle.set()
+        if self.pending.pop(sink, None) is None:
+            return  # abandoned already (the close gave up on this thread)
         if error is None:
             assert result is not None
             sink.set_result(result)
         else:
             sink.set_exception(error)
 
-    def sweep(self) -> None:
-        """Any thread: fail messages queued after the loop stopped (never sent)."""
+    def sweep(self) -> int:
+        """Any thread: fail messages the loop never took (it stopped first); how many.
+
+        Each fails with ``PublishAborted`` (``attempts=0``: never sent).
+        """
+        count = 0
         while True:
             try:
-                sink, *_, bounded = self.queue.popleft()
+                sink, _, _, _, _, options, _, bounded = self.queue.popleft()
             except IndexError:
-                return
+                return count
             if bounded:
                 self.slots.release()
             if sink.set_running_or_notify_cancel():
-                sink.set_exception(ClosedError("publisher is closed"))
+                sink.set_exception(
+                    PublishAborted(
+                        "the publisher closed before this message was sent; never sent",
+                        message_id=options.get("message_id") or "",
+                        attempts=0,
+                    )
+                )
+                count += 1
+
+    def abandon(self) -> int:
+        """Any thread: the loop thread did not finish closing; fail what it still holds.
+
+        Each message it had taken and not settled fails with ``PublishAborted``
+        (its outcome is unknown: the broker may have it). Returns how many.
+        """
+        count = 0
+        while self.pending:
+            try:
+                sink, message_id = self.pending.popitem()
+            except KeyError:
+                break  # the loop thread settled the last ones meanwhile
+            sink.set_exception(
+                PublishAborted(
+                    "the publisher's loop thread did not finish closing in time; "
+                    "the broker may have it",
+                    message_id=message_id,
+                    attempts=0,
+                )
+            )
+            count += 1
+        return count
 
     async def flush(self) -> None:
         """Loop thread: return once every message handed over so far is settled."""
@@ -168,7 +219,10 @@ class Runtime:
             await self.idle.wait()
 
     async def close(self, wait: float) -> None:
-        """Loop thread: publish what was handed over, then close the async publisher."""
+        """Loop thread: publish what was handed over, then close the async publisher.
+
+        Every message drained here is counted by the async publisher at once
+        (admitted, or waiting for a slot): its ``close()`` waits for them all.
+        """
         self.drain()
-        await asyncio.sleep(0)  # the new tasks take their window slots before close()
         await self.publisher.close(wait)
