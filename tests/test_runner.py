@@ -26,6 +26,8 @@ import pytest
 
 from reliable_mq import ConnectionSettings, InvalidSettings, Message, QueueTopology
 from reliable_mq.runner import RunnerOptions
+from reliable_mq.runner._supervisor import STABLE_AFTER, _Slot
+from reliable_mq.runner._worker import stop_budget
 from reliable_mq.sync import BlockingPublisher
 from reliable_mq.topology import delete_topology
 from tests.support.amqp import drain_queue_sync, run_sync
@@ -249,6 +251,59 @@ class TestOptions:
         assert "worker_spawned" not in run.stdout
 
 
+def _lived(events: list[tuple[float, bool | None]]) -> _Slot:
+    """A slot spawned at 0 that saw these status lines (``None``: a gap, no line)."""
+    slot = _Slot(0)
+    slot.spawned(0.0)
+    for at, ready in events:
+        if ready is not None:
+            slot.observe(ready, at)
+    return slot
+
+
+class TestBackoff:
+    """What resets the restart backoff: an unbroken time ready, not time since spawn."""
+
+    @pytest.mark.parametrize(
+        ("lines", "stable"),
+        [
+            pytest.param([(2.0 + t, True) for t in range(40)], True, id="ready-40s"),
+            # ready 5 s, then the loop ended (SystemExit) and the stop hung 30 s: no lines
+            pytest.param([(2.0 + t, True) for t in range(5)] + [(37.0, None)], False, id="hung"),
+            # ready 5 s, then 30 s of "not ready" lines while it stopped
+            pytest.param(
+                [(2.0 + t, True) for t in range(5)] + [(7.0 + t, False) for t in range(30)],
+                False,
+                id="stopping",
+            ),
+            pytest.param([(29.0 + t, True) for t in range(3)], False, id="slow-start"),
+            pytest.param(
+                [(t, True) for t in range(20)]
+                + [(20.0, False)]
+                + [(21.0 + t, True) for t in range(20)],
+                False,
+                id="broken-run",
+            ),
+        ],
+    )
+    def test_only_an_unbroken_ready_run_is_stable(
+        self, lines: list[tuple[float, bool | None]], stable: bool
+    ) -> None:
+        assert _lived(lines).stable() is stable
+
+    def test_a_respawn_forgets_the_last_run(self) -> None:
+        slot = _lived([(float(t), True) for t in range(int(STABLE_AFTER) + 2)])
+        assert slot.stable()
+        slot.spawned(100.0)
+        assert not slot.stable()
+
+    @pytest.mark.parametrize("graceful", [0.1, 1.0, 3.0, 10.0, 60.0, 3600.0])
+    def test_the_stop_budget_ends_before_the_supervisors_sigkill(self, graceful: float) -> None:
+        handlers, stop, end = stop_budget(graceful)
+        assert 0 < handlers < stop < end < graceful
+        assert graceful - end <= 2.0
+
+
 class TestWorkers:
     def test_sigterm_drains_every_worker(
         self, start_runner: Callable[..., Runner], broker_url: str, rqueue: str, tmp_path: Path
@@ -338,11 +393,12 @@ class TestWorkers:
         assert _consumers(broker_url, rqueue) == 0
         assert took < WORKER_ORPHAN_BOUND
 
-    def test_a_worker_that_ignores_the_drain_is_killed_after_the_graceful_timeout(
+    def test_a_worker_whose_handler_ignores_the_drain_exits_within_the_graceful_timeout(
         self, start_runner: Callable[..., Runner], broker_url: str, rqueue: str, tmp_path: Path
     ) -> None:
-        """SIGTERM with a handler that never ends: SIGKILL after --graceful-timeout, exit 1,
-        and the broker requeues the delivery the killed worker held."""
+        """SIGTERM with a handler that swallows cancellation for ever: the worker fits its
+        drain into --graceful-timeout (the handler's delivery is requeued), then ends
+        itself before the supervisor's SIGKILL, with an error line; exit 1."""
         graceful = 3.0
         out = tmp_path / "out"
         out.mkdir()
@@ -367,13 +423,89 @@ class TestWorkers:
         code = runner.process.wait(60)
         took = time.monotonic() - asked
         assert code == 1, runner.tail()
-        assert graceful <= took < graceful + 10, took
+        assert took < graceful, took  # before the SIGKILL, by itself
         assert not _alive(pid)
         events = [e.get("event") for e in runner.events()]
-        assert "worker_draining" in events and "workers_not_drained" in events, runner.tail()
-        assert "worker_stopped" not in events  # it never finished its drain
+        assert "worker_draining" in events and "worker_exit_forced" in events, runner.tail()
+        assert "workers_not_drained" not in events  # no SIGKILL was needed
+        exits = [e for e in runner.events() if e.get("event") == "worker_exited"]
+        assert not exits  # the supervisor was stopping: no restart
         [message] = drain_queue_sync(broker_url, rqueue)
         assert (message.message_id, message.redelivered) == ("stuck", True)
+
+    def test_a_wedged_worker_is_killed_after_the_graceful_timeout(
+        self, start_runner: Callable[..., Runner], broker_url: str, rqueue: str, tmp_path: Path
+    ) -> None:
+        """A handler that holds the GIL for ever: no Python code of the worker runs, so
+        SIGKILL after --graceful-timeout is what ends it; the broker requeues its delivery."""
+        graceful = 3.0
+        out = tmp_path / "out"
+        out.mkdir()
+        runner = start_runner(
+            f"{TARGET}:wedged",
+            "--metrics-port",
+            "0",
+            "--graceful-timeout",
+            str(graceful),
+            RUNNER_TEST_QUEUE=rqueue,
+            RUNNER_TEST_OUT=str(out),
+        )
+        runner.wait_port()
+        wait_for(lambda: (r := runner.readiness()) and r["ready"], 90, "readiness")
+        _publish(broker_url, rqueue, ["wedge"])
+        wait_for(lambda: _handled(out) == ["wedge"], 30, "the handler to start")
+        runner.process.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        code = runner.process.wait(60)
+        took = time.monotonic() - asked
+        assert code == 1, runner.tail()
+        assert graceful <= took < graceful + 10, took
+        events = [e.get("event") for e in runner.events()]
+        assert "workers_not_drained" in events, runner.tail()
+        [message] = drain_queue_sync(broker_url, rqueue)
+        assert (message.message_id, message.redelivered) == ("wedge", True)
+
+    def test_a_loop_ended_by_system_exit_does_not_wait_on_its_cancelled_io(
+        self, start_runner: Callable[..., Runner], broker_url: str, rqueue: str, tmp_path: Path
+    ) -> None:
+        """The event loop ends with SystemExit while the internal publisher has a retry
+        copy unconfirmed (the link stalled): asyncio.run cancels every task, I/O included,
+        and the consumer's stop must not wait close_timeout (30 s) for a confirm that can
+        no longer come. The worker exits with 3 well within that; the supervisor restarts
+        it, and the message is handled again (it was never acked)."""
+        out = tmp_path / "out"
+        out.mkdir()
+        go = tmp_path / "go"
+        with ThreadedProxy(5672) as proxy:
+            runner = start_runner(
+                f"{TARGET}:exits",
+                "--metrics-port",
+                "0",
+                url=proxy.url,
+                RUNNER_TEST_QUEUE=rqueue,
+                RUNNER_TEST_OUT=str(out),
+                RUNNER_TEST_GO=str(go),
+            )
+            runner.wait_port()
+            report = wait_for(lambda: (r := runner.readiness()) and r["ready"] and r, 90, "ready")
+            [pid] = [worker["pid"] for worker in report["workers"]]
+            _publish(broker_url, rqueue, ["exit"])
+            wait_for(lambda: _handled(out) == ["exit"], 30, "the handler to start")
+            proxy.set_stall(True)
+            go.touch()
+            stalled = time.monotonic()
+
+            def exited() -> dict[str, Any] | None:
+                found = [e for e in runner.events() if e.get("event") == "worker_exited"]
+                return found[0] if found else None
+
+            event = wait_for(exited, 60, "the worker to exit")
+            took = time.monotonic() - stalled
+            proxy.set_stall(False)
+            assert event["pid"] == pid and event["code"] == 3, runner.tail()
+            assert took < 20, (took, runner.tail())
+            wait_for(lambda: _handled(out).count("exit") >= 2, 90, "the message handled again")
+            assert runner.stop() == 0, runner.tail()
 
     def test_readiness_follows_the_broker_connection(
         self, start_runner: Callable[..., Runner], rqueue: str

@@ -3,11 +3,14 @@
 Each worker is a fresh interpreter (``python -m reliable_mq.runner._worker``),
 never a fork of the supervisor, so no socket, lock or loop is shared. A worker
 that exits while the supervisor is not stopping is restarted after a backoff
-(0.5 s, doubling to 30 s; reset once a worker has run for 30 s).
+(0.5 s, doubling to 30 s). The backoff is reset only by a worker that was
+*ready* (consuming every queue, as its status lines said) for `STABLE_AFTER`
+seconds in a row: time spent starting, or stuck in a shutdown, does not count.
 
 SIGTERM or SIGINT: the supervisor stops restarting, sends SIGTERM to every
-worker (each runs the consumer's graceful stop), waits ``graceful_timeout``
-seconds, then SIGKILLs what is left. A second SIGINT kills at once.
+worker (each runs the consumer's graceful stop, fitted into
+``graceful_timeout``, which it is told), waits ``graceful_timeout`` seconds,
+then SIGKILLs what is left. A second SIGINT kills at once.
 
 Metrics with N workers use prometheus_client's multiprocess mode: workers
 write to files in one folder, the supervisor serves the sum on one port.
@@ -40,7 +43,7 @@ from ._http import HttpServer, Response
 __all__ = ("RunnerOptions", "Supervisor", "WorkerState")
 
 STABLE_AFTER = 30.0
-"""A worker that ran this long resets its restart backoff."""
+"""A worker that was ready this long without a break resets its restart backoff."""
 BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 30.0
 STALE_AFTER = 10.0
@@ -102,6 +105,10 @@ class _Slot:
     ready: bool = False
     reported_at: float = 0.0
     started_at: float = 0.0
+    ready_since: float | None = None
+    """When the current unbroken run of "ready" status lines began (None: not ready)."""
+    ready_for: float = 0.0
+    """The longest unbroken time this process reported itself ready."""
     restarts: int = 0
     failures: int = 0
     last_exit: int | None = None
@@ -109,6 +116,31 @@ class _Slot:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
+
+    def spawned(self, now: float) -> None:
+        self.state = WorkerState.STARTING
+        self.ready = False
+        self.started_at = now
+        self.ready_since = None
+        self.ready_for = 0.0
+
+    def observe(self, ready: bool, now: float) -> None:
+        """A status line: ``ready`` at ``now`` (lines come every second while alive)."""
+        self.reported_at = now
+        if not ready:
+            self.ready_since = None
+            return
+        if self.ready_since is None:
+            self.ready_since = now
+        self.ready_for = max(self.ready_for, now - self.ready_since)
+
+    def stable(self) -> bool:
+        """The process was ready for `STABLE_AFTER` s in a row: its exit resets the backoff.
+
+        Measured from its own status lines, so neither a slow start nor a shutdown
+        that hangs (no lines, or "not ready" ones) makes a crash loop look healthy.
+        """
+        return self.ready_for >= STABLE_AFTER
 
     def is_ready(self, now: float) -> bool:
         return (
@@ -200,7 +232,8 @@ class Supervisor:
             try:
                 await self._spawn(slot)
             except OSError as exc:  # out of processes or descriptors: try again later
-                slot.process, slot.started_at = None, time.monotonic()
+                slot.process = None
+                slot.spawned(time.monotonic())
                 code = None
                 self._log.error("worker_spawn_failed", worker=slot.index, error=repr(exc))
             else:
@@ -212,8 +245,7 @@ class Supervisor:
                 self._forget_worker_gauges(slot.pid)
             if self._stopping.is_set():
                 break
-            ran = time.monotonic() - slot.started_at
-            slot.failures = 1 if ran >= STABLE_AFTER else slot.failures + 1
+            slot.failures = 1 if slot.stable() else slot.failures + 1
             delay = min(BACKOFF_FIRST * 2 ** (slot.failures - 1), BACKOFF_MAX)
             slot.state = WorkerState.BACKOFF
             self._log.warning(
@@ -241,6 +273,8 @@ class Supervisor:
             "--log-level",
             options.log_level,
             "--log-json" if options.log_json else "--no-log-json",
+            "--graceful-timeout",
+            str(float(options.graceful_timeout)),
         ]
         try:
             slot.process = await asyncio.create_subprocess_exec(
@@ -254,9 +288,7 @@ class Supervisor:
             raise
         finally:
             os.close(write_fd)
-        slot.state = WorkerState.STARTING
-        slot.ready = False
-        slot.started_at = time.monotonic()
+        slot.spawned(time.monotonic())
         reader = asyncio.get_running_loop().create_task(self._read_status(slot, read_fd))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
@@ -299,7 +331,7 @@ class Supervisor:
             WorkerState.RUNNING,
         ):
             return
-        slot.reported_at = time.monotonic()
+        slot.observe(ready, time.monotonic())
         if ready and slot.state is WorkerState.STARTING:
             slot.state = WorkerState.RUNNING
         if ready != slot.ready:

@@ -6,8 +6,17 @@ supervisor reads: on every change, and every second as a heartbeat. SIGTERM
 or SIGINT runs the consumer's graceful stop; so does losing the supervisor
 (the pipe breaks), so a worker never outlives it for more than a second.
 
+The drain always fits in the supervisor's ``--graceful-timeout`` (passed to the
+worker), counted from when the drain begins, whatever started it (a signal,
+the supervisor gone, or the event loop torn down by a ``SystemExit``); see
+`stop_budget`. Handlers get the consumer's ``shutdown_grace``, within the budget;
+past the stop budget the rest is cancelled, and past the exit deadline a thread
+ends the process (``os._exit(1)``) after an error line, so a worker answers
+SIGTERM before the supervisor's SIGKILL even when a handler ignores
+cancellation. Either way the broker requeues what the worker had not settled.
+
 Exit codes: 0 after a graceful stop, 1 if the consumer failed to start or
-stopped by itself, 2 if the target cannot be loaded.
+stopped by itself, or its drain overran, 2 if the target cannot be loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -36,6 +46,20 @@ __all__ = ("main",)
 HEARTBEAT = 1.0
 """Seconds between status lines when nothing changes."""
 _POLL = 0.1
+DEFAULT_GRACEFUL_TIMEOUT = 60.0
+"""The supervisor's ``--graceful-timeout`` when none is passed."""
+
+
+def stop_budget(graceful_timeout: float) -> tuple[float, float, float]:
+    """``(handlers, stop, exit)``: seconds from the start of a drain.
+
+    Handlers get at most ``handlers`` to finish, the consumer's stop at most
+    ``stop``; at ``exit`` the process ends whatever runs. All three end before
+    the supervisor's SIGKILL at ``graceful_timeout`` (a margin of up to 2 s).
+    """
+    margin = min(2.0, graceful_timeout / 4)
+    stop = graceful_timeout - 2 * margin
+    return stop / 2, stop, graceful_timeout - margin
 
 
 class _Status:
@@ -77,13 +101,14 @@ async def _report(consumer: ReliableConsumer, status: _Status, stop: asyncio.Eve
         await asyncio.sleep(_POLL)
 
 
-async def _serve(consumer: ReliableConsumer, status: _Status) -> int:
+async def _serve(consumer: ReliableConsumer, status: _Status, graceful_timeout: float) -> int:
     log = get_logger(__name__)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     reporter = loop.create_task(_report(consumer, status, stop))
+    drained = True
     try:
         if not await _start(consumer, stop):
             return 0 if stop.is_set() else 1
@@ -92,14 +117,62 @@ async def _serve(consumer: ReliableConsumer, status: _Status) -> int:
             await stop.wait()
             log.info("worker_draining")
         finally:
-            await consumer.stop()
+            # Also when this task was cancelled: asyncio.run tears the loop down so
+            # after a SystemExit (every task cancelled, the consumer's I/O included).
+            drained = await _drain(consumer, graceful_timeout)
     finally:
         reporter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reporter
         status.send(False)
+    if not drained:
+        return 1
     log.info("worker_stopped", **consumer.stats()._asdict())
     return 0
+
+
+async def _drain(consumer: ReliableConsumer, graceful_timeout: float) -> bool:
+    """Stop the consumer within the budget; False if it had to be cut short.
+
+    A daemon thread ends the process at the budget's last figure, should even
+    the event loop's own shutdown hang (a handler that swallows cancellation).
+    """
+    handlers, stop, end = stop_budget(graceful_timeout)
+    _exit_at(end)
+    grace = min(consumer.settings.shutdown_grace, handlers)
+    try:
+        async with asyncio.timeout(stop):
+            await consumer.stop(grace)
+    except TimeoutError:
+        get_logger(__name__).error(
+            "worker_drain_overran",
+            seconds=stop,
+            graceful_timeout=graceful_timeout,
+            in_progress=consumer.stats().in_progress,
+            hint="what is not settled is cancelled; the broker requeues its deliveries",
+        )
+        return False
+    return True
+
+
+def _exit_at(seconds: float) -> None:
+    """End the process ``seconds`` from now, from a daemon thread (the last resort)."""
+
+    def end() -> None:
+        get_logger(__name__).error(
+            "worker_exit_forced",
+            seconds=seconds,
+            reason="the drain did not end in time; the broker requeues unsettled deliveries",
+        )
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.name = "reliable_mq.worker:exit-deadline"
+    timer.start()
 
 
 async def _start(consumer: ReliableConsumer, stop: asyncio.Event) -> bool:
@@ -128,6 +201,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--status-fd", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--graceful-timeout", type=float, default=DEFAULT_GRACEFUL_TIMEOUT)
     return parser.parse_args(argv)
 
 
@@ -143,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidTarget, InvalidSettings) as exc:
         log.error("worker_target_failed", error=str(exc))
         return 2
-    return asyncio.run(_serve(consumer, status))
+    return asyncio.run(_serve(consumer, status, args.graceful_timeout))
 
 
 if __name__ == "__main__":
