@@ -172,6 +172,9 @@ class ReliablePublisher:
     async def start(self) -> None:
         """Connect and open the confirm channel.
 
+        If it fails, the publisher is closed (calls made meanwhile fail with
+        ``PublishAborted``); make a new one to try again.
+
         Raises:
             BrokerUnavailable: no broker address accepted a connection.
             ClosedError: the publisher was closed.
@@ -189,8 +192,14 @@ class ReliablePublisher:
             )
             self._watchdog.add_done_callback(self._watchdog_ended)
             await self._engine.stream.start()
-        except BaseException:
+        except BaseException as exc:
+            # Callers that came in meanwhile get their outcome; the publisher is
+            # closed for good (its connection supervisor is).
+            count = self._engine.abort(f"the publisher failed to start ({type(exc).__name__})")
+            if count:
+                self._log.error("start_failed_aborted", aborted=count, error=repr(exc)[:300])
             await self._shutdown()
+            self._state = PublisherState.CLOSED
             raise
 
     async def flush(self, timeout: float | None = None) -> None:
@@ -242,7 +251,7 @@ class ReliablePublisher:
             self._closed.set()
 
     async def _close(self, wait: float) -> None:
-        started = self._state is not PublisherState.IDLE
+        started = self._state in (PublisherState.OPEN, PublisherState.CLOSING)
         self._state = PublisherState.CLOSING
         engine = self._engine
         engine.closed = True

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from reliable_mq import (
+    BrokerUnavailable,
     ClosedError,
     ConnectionSettings,
     Message,
@@ -23,6 +24,7 @@ from reliable_mq import (
     PublishBatchError,
     PublishError,
     PublisherSettings,
+    PublisherState,
     PublishResult,
     PublishTimeout,
     ReliableMQError,
@@ -289,6 +291,32 @@ def _run_loop_torn_down_by_system_exit(
         asyncio.run(main())
     except SystemExit as exc:
         report["exit"] = exc.code
+
+
+class TestStartFails:
+    async def test_a_call_made_while_start_fails_gets_an_outcome(self, queue: str) -> None:
+        """publish() while start() is connecting, and the connection fails: the call ends
+        with PublishAborted (it waited for a channel that will never open), and the
+        publisher is closed."""
+        refusing = TCPProxy("127.0.0.1", 5672)
+        await refusing.start()
+        refusing.set_refuse(True)
+        try:
+            publisher = ReliablePublisher(
+                _conn(proxied_url(refusing), connect_timeout=1),
+                settings=_settings(),
+                registry=CollectorRegistry(),
+            )
+            early = asyncio.create_task(_outcome(publisher.publish(b"x", routing_key=queue)))
+            with pytest.raises(BrokerUnavailable):
+                await publisher.start()
+            assert isinstance(await asyncio.wait_for(early, 5), PublishAborted)
+            assert publisher.state is PublisherState.CLOSED
+            with pytest.raises(ClosedError):
+                await publisher.start()
+            await publisher.close()
+        finally:
+            await refusing.close()
 
 
 class TestIoGone:
