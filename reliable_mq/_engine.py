@@ -162,8 +162,13 @@ class Engine:
                 the broker is unavailable, or the publisher is closing.
         """
         self.hold()
-        try:
-            await self.admit_held(out)
+        try:  # no nested coroutine: this is the path of every caller past the window
+            await wait_for_admission(self, out)
+            self._admitted(out)  # before unhold(): the engine must not look idle between
+        except PublishError as exc:
+            self.failed += 1
+            out.metrics.failure(type(exc).__name__)
+            raise
         finally:
             self.unhold()
 
