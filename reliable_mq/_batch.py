@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
+from typing import Any
 
-from .errors import ReliableMQError
+from .errors import PublishBatchError, ReliableMQError
 from .outcomes import BatchFailure, BatchResult
 
-__all__ = ("Batch",)
+__all__ = ("Batch", "run_batch")
 
 
 class Batch:
@@ -76,3 +78,44 @@ class Batch:
             seconds=time.monotonic() - self._started,
             stopped_early=stopped_early,
         )
+
+
+async def run_batch(
+    messages: Iterable[Any] | AsyncIterable[Any],
+    take: Callable[[Batch, int, Any], Awaitable[bool]],
+    *,
+    raise_on_error: bool,
+) -> BatchResult:
+    """Hand each message to ``take(batch, index, message)`` until it says stop; wait for
+    every outcome, and return the result.
+
+    Raises:
+        PublishBatchError: some messages failed and ``raise_on_error`` is set.
+    """
+    batch = Batch()
+    stopped_early = False
+    try:
+        if isinstance(messages, AsyncIterable):
+            index = 0
+            async for message in messages:
+                if await take(batch, index, message):
+                    stopped_early = True
+                    break
+                index += 1
+        else:
+            for index, message in enumerate(messages):
+                if await take(batch, index, message):
+                    stopped_early = True
+                    break
+    finally:
+        batch.close_input()
+    await batch.wait()
+    result = batch.result(stopped_early)
+    if raise_on_error and result.failures:
+        first = result.failures[0]
+        raise PublishBatchError(
+            f"{len(result.failures)} of {result.taken} messages failed; first "
+            f"(index {first.index}): {type(first.error).__name__}: {first.error}",
+            result,
+        )
+    return result

@@ -33,6 +33,7 @@ from aiormq.abc import ChannelFrame
 from pamqp.commands import Basic
 
 from ._amqp_faults import AMQP_ERRORS, Fault, classify, classify_close
+from ._closing import task_end
 from ._confirms import ConfirmTracker
 from ._outgoing import Outgoing
 from ._wire import publish_frames
@@ -162,12 +163,7 @@ class StreamKeeper:
     def _keeper_ended(self, task: asyncio.Task[None]) -> None:
         if self._closing or self.on_stopped is None:
             return
-        if task.cancelled():
-            why = "its channel keeper was cancelled"
-        else:
-            exc = task.exception()
-            why = f"its channel keeper failed: {exc!r}" if exc else "its channel keeper ended"
-        self.on_stopped(why)
+        self.on_stopped(task_end(task, "its channel keeper"))
 
     async def close(self) -> None:
         self._closing = True

@@ -26,7 +26,6 @@ Outcomes per message:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import functools
 import secrets
@@ -37,7 +36,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from typing_extensions import Unpack
 
-from ._batch import Batch
+from ._batch import Batch, run_batch
+from ._closing import Closing, task_end
 from ._engine import Engine
 from ._outgoing import Outgoing, Preparer
 from ._wire import check_timeout
@@ -47,7 +47,6 @@ from .errors import (
     FlushTimeout,
     InvalidMessage,
     InvalidSettings,
-    PublishBatchError,
     PublishError,
     ReliableMQError,
 )
@@ -126,6 +125,7 @@ class ReliablePublisher:
             log=self._log,
         )
         self._engine.on_idle = self._flush_metrics
+        self._closing = Closing(self._engine, self._log)
         self._supervisor.on_stopped = self._io_stopped
         self._engine.stream.on_stopped = self._io_stopped
         self._in_flight_gauge = self._metrics.in_flight.labels(self._supervisor.name)
@@ -133,11 +133,6 @@ class ReliablePublisher:
         self._watchdog: asyncio.Task[None] | None = None
         self._admitting: set[asyncio.Task[None]] = set()
         self._state = PublisherState.IDLE
-        self._closed: asyncio.Event | None = None
-        """Set once a ``close()`` has finished (created by the first one)."""
-        self._io_gone: str | None = None
-        """Why the publisher's I/O stopped without ``close()`` (see `_io_stopped`)."""
-        self._stopping_io = False
         self._seq = 0
         self._published = 0
 
@@ -240,79 +235,36 @@ class ReliablePublisher:
 
         Concurrent and later calls wait for the first one to finish.
         """
-        if self._closed is not None:
-            await self._closed.wait()
+        closing = self._closing
+        if closing.done is not None:
+            await closing.done.wait()
             return
-        self._closed = asyncio.Event()
+        closing.done = asyncio.Event()
         try:
-            await self._close(self.settings.close_timeout if timeout is None else timeout)
+            started = self._state in (PublisherState.OPEN, PublisherState.CLOSING)
+            self._state = PublisherState.CLOSING
+            self._engine.closed = True
+            if started:
+                try:
+                    await closing.settle(
+                        self.settings.close_timeout if timeout is None else timeout
+                    )
+                finally:
+                    await self._shutdown()
         finally:
             self._state = PublisherState.CLOSED
-            self._closed.set()
-
-    async def _close(self, wait: float) -> None:
-        started = self._state in (PublisherState.OPEN, PublisherState.CLOSING)
-        self._state = PublisherState.CLOSING
-        engine = self._engine
-        engine.closed = True
-        if not started:
-            return
-        try:
-            settled = engine.idle.is_set()
-            if not settled:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(wait):
-                        await engine.idle.wait()
-                        settled = True
-            if not settled:
-                await self._abort(f"close() waited {wait:g}s", "close_aborted", timeout=wait)
-        except asyncio.CancelledError:
-            await self._abort("close() was cancelled", "close_aborted", cancelled=True)
-            await self._shutdown()
-            raise
-        await self._shutdown()
-
-    async def _abort(self, why: str, event: str, **log: Any) -> None:
-        """Fail every caller without an outcome (PublishAborted) and log how many."""
-        engine = self._engine
-        count = engine.abort()
-        if count:
-            self._log.error(event, aborted=count, reason=why, **log)
-        # Callers waiting for admission were woken with their error: let them leave.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(1.0):
-                await engine.idle.wait()
+            closing.done.set()
 
     def _io_stopped(self, why: str) -> None:
-        """A task the publisher cannot work without ended, and not by ``close()``.
-
-        Nothing in flight can be confirmed any more (its channel, its reader or
-        its deadline sweep is gone; this is what the event loop's shutdown does
-        to every task), so every caller without an outcome fails now with
-        ``PublishAborted``, and new calls with ``ClosedError``. ``close()``
-        then only releases what is left.
-        """
-        if self._stopping_io or self._io_gone is not None:
-            return
-        self._io_gone = why
-        if self._state is PublisherState.OPEN:
-            self._state = PublisherState.CLOSING
-        engine = self._engine
-        engine.closed = True
-        count = engine.abort(f"the publisher stopped ({why})")
-        if count:
-            self._log.error("publisher_io_stopped", reason=why, aborted=count)
-        else:
-            self._log.info("publisher_io_stopped", reason=why, aborted=0)
+        """A task the publisher needs ended without ``close()`` (see `Closing.io_stopped`)."""
+        if self._closing.io_stopped(why) and self._state is PublisherState.OPEN:
+            self._state = PublisherState.CLOSING  # new calls: ClosedError
 
     def _watchdog_ended(self, task: asyncio.Task[None]) -> None:
-        why = "its deadline sweep was cancelled"
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            why = f"its deadline sweep failed: {exc!r}"
-        self._io_stopped(why)
+        self._io_stopped(task_end(task, "its deadline sweep"))
 
     async def _shutdown(self) -> None:
-        self._stopping_io = True
+        self._closing.stopping_io = True
         self._engine.closed = True
         for task in list(self._admitting):
             task.cancel()
@@ -485,50 +437,17 @@ class ReliablePublisher:
         engine = self._engine
         engine.begin_batch()  # close() waits for the whole batch: its input was handed over
         try:
-            return await self._publish_batch(messages, timeout, max_failures, raise_on_error)
+            take = functools.partial(self._take, timeout=timeout, max_failures=max_failures)
+            return await run_batch(messages, take, raise_on_error=raise_on_error)
         finally:
             engine.end_batch()
-
-    async def _publish_batch(
-        self,
-        messages: Iterable[Message] | AsyncIterable[Message],
-        timeout: float | None,
-        max_failures: int | None,
-        raise_on_error: bool,
-    ) -> BatchResult:
-        batch = Batch()
-        stopped_early = False
-        try:
-            if isinstance(messages, AsyncIterable):
-                index = 0
-                async for message in messages:
-                    if await self._take(batch, index, message, timeout, max_failures):
-                        stopped_early = True
-                        break
-                    index += 1
-            else:
-                for index, message in enumerate(messages):
-                    if await self._take(batch, index, message, timeout, max_failures):
-                        stopped_early = True
-                        break
-        finally:
-            batch.close_input()
-        await batch.wait()
-        result = batch.result(stopped_early)
-        if raise_on_error and result.failures:
-            first = result.failures[0]
-            raise PublishBatchError(
-                f"{len(result.failures)} of {result.taken} messages failed; first "
-                f"(index {first.index}): {type(first.error).__name__}: {first.error}",
-                result,
-            )
-        return result
 
     async def _take(
         self,
         batch: Batch,
         index: int,
         message: Any,
+        *,
         timeout: float | None,
         max_failures: int | None,
     ) -> bool:
@@ -576,8 +495,8 @@ class ReliablePublisher:
 
     def _check_open(self) -> None:
         if self._state is not PublisherState.OPEN:
-            if self._io_gone is not None:
-                raise ClosedError(f"publisher stopped: {self._io_gone}")
+            if self._closing.io_gone is not None:
+                raise ClosedError(f"publisher stopped: {self._closing.io_gone}")
             state = "not started" if self._state is PublisherState.IDLE else "closed"
             raise ClosedError(f"publisher is {state}")
 
