@@ -507,6 +507,40 @@ class TestWorkers:
             wait_for(lambda: _handled(out).count("exit") >= 2, 90, "the message handled again")
             assert runner.stop() == 0, runner.tail()
 
+    def test_a_handlers_sys_exit_ends_the_worker_promptly_and_sigterm_is_answered(
+        self, start_runner: Callable[..., Runner], broker_url: str, rqueue: str, tmp_path: Path
+    ) -> None:
+        """A handler's sys.exit(3): the worker exits 3 within seconds (it waited the
+        internal publisher's close_timeout, 30 s, for confirms its cancelled I/O could
+        not bring), is restarted, handles the retry, and the runner stops cleanly."""
+        out = tmp_path / "out"
+        out.mkdir()
+        runner = start_runner(
+            f"{TARGET}:sys_exit",
+            "--metrics-port",
+            "0",
+            RUNNER_TEST_QUEUE=rqueue,
+            RUNNER_TEST_OUT=str(out),
+        )
+        runner.wait_port()
+        wait_for(lambda: (r := runner.readiness()) and r["ready"], 90, "readiness")
+        _publish(broker_url, rqueue, ["bye"])
+        wait_for(lambda: _handled(out) == ["bye"], 30, "the handler to run")
+        ran = time.monotonic()
+
+        def exited() -> dict[str, Any] | None:
+            found = [e for e in runner.events() if e.get("event") == "worker_exited"]
+            return found[0] if found else None
+
+        event = wait_for(exited, 60, "the worker to exit")
+        took = time.monotonic() - ran
+        assert event["code"] == 3 and took < 10, (took, runner.tail())
+        wait_for(lambda: _handled(out).count("bye") == 2, 90, "the retry handled")
+        asked = time.monotonic()
+        assert runner.stop() == 0, runner.tail()
+        assert time.monotonic() - asked < 30
+        assert _queue_counts(broker_url, rqueue)[0] == 0
+
     def test_readiness_follows_the_broker_connection(
         self, start_runner: Callable[..., Runner], rqueue: str
     ) -> None:

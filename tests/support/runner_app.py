@@ -108,3 +108,19 @@ def hold_the_gil(body: bytes, delivery: Delivery) -> None:
 
 wedged = ReliableConsumer(settings=ConsumerSettings(prefetch=1, concurrency=1), dedup=None)
 wedged.include_router(wedged_router)
+
+sys_exit_router = Router()
+
+
+@sys_exit_router.handler(QUEUE)
+async def exit_first_time(body: bytes, delivery: Delivery) -> None:
+    """``sys.exit(3)`` in the handler on the first attempt; handled on a later one."""
+    _note(delivery.message_id)
+    if delivery.attempt == 1 and not delivery.redelivered:
+        sys.exit(3)
+
+
+sys_exit = ReliableConsumer(
+    settings=ConsumerSettings(prefetch=4, concurrency=4, retry_delays=(1.0,)), dedup=None
+)
+sys_exit.include_router(sys_exit_router)
