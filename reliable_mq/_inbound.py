@@ -14,7 +14,10 @@ and close handlers on its own channel:
   pamqp decodes it field by field through a type table. Ours reads the 7-byte
   frame header and the payload (two reads from the stream's buffer) and
   decodes the three frames of a delivery (``basic.deliver``, a content header
-  with one flag word, a body) directly into the same pamqp objects; every
+  with one flag word, a body) directly into the same pamqp objects, with one
+  difference: timestamps (the property and ``T`` header values) are 64-bit
+  POSIX seconds, as AMQP 0-9-1 defines them, where pamqp reads any value above
+  2**32 - 1 as milliseconds (`reliable_mq._fields`); every
   other frame (and anything our decoder does not take) goes through pamqp as
   before, and read and decode errors are raised as aiormq raises them. Frames
   are still handed to aiormq's reader loop one by one, so channel 0, RPC
@@ -35,7 +38,8 @@ and close handlers on its own channel:
   closes and the broker requeues what it had delivered on it).
 * **Undecodable deliveries**: the broker checks neither that the strings of a
   delivery (its routing key, the short-string properties, header names) are
-  UTF-8 nor that its timestamps are dates Python can hold, so another client
+  UTF-8 nor that its timestamps are dates Python can hold (a timestamp in
+  milliseconds, as some clients send, is past the year 9999), so another client
   can send what pamqp cannot decode. pamqp raises, and aiormq's reader closes
   the whole connection: the broker redelivers the message and the consumer
   reconnects for ever, every queue on the connection stopped. Our decoder
@@ -65,12 +69,12 @@ from typing import Any, Protocol, TypeVar
 import aiormq
 import pamqp.frame
 from aiormq.abc import AbstractConnection
-from pamqp import decode
 from pamqp.body import ContentBody
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
 from ._amqp_faults import reader_error
+from ._fields import A_ARRAY, F_TABLE, T_TIMESTAMP, read_scalar, read_table, timestamp_of
 
 __all__ = (
     "OnDelivery",
@@ -89,8 +93,8 @@ class Undecodable:
 
     Attributes:
         fields: what did not decode, e.g. ``("message_id", "header name 'a\\xff'")``.
-        error: the first error (``UnicodeDecodeError``; ``ValueError`` or
-            ``OverflowError`` for a timestamp out of range).
+        error: the first error (``UnicodeDecodeError``; ``ValueError``,
+            ``OverflowError`` or ``OSError`` for a timestamp past the year 9999).
     """
 
     fields: tuple[str, ...]
@@ -312,21 +316,16 @@ def _short_str(data: bytes, offset: int, where: str = "") -> tuple[str, int]:
 
 
 class _Strict:
-    """The hot path's reader: UTF-8 or an error, tables and timestamps as pamqp decodes them."""
+    """The hot path's reader: UTF-8 or an error; tables decoded by `_table`."""
 
     __slots__ = ()
 
     short_str = staticmethod(_short_str)
-
-    @staticmethod
-    def table(data: bytes, offset: int, where: str) -> tuple[dict[str, Any], int]:
-        used, value = decode.field_table(data[offset:])
-        return value, offset + used
+    table = staticmethod(read_table)
 
     @staticmethod
     def timestamp(data: bytes, offset: int, where: str) -> tuple[Any, int]:
-        used, value = decode.timestamp(data[offset : offset + 8])
-        return value, offset + used
+        return timestamp_of(_TIMESTAMP.unpack_from(data, offset)[0]), offset + 8
 
 
 _STRICT = _Strict()
@@ -433,10 +432,10 @@ class _Escaping:
             return text, end
 
     def timestamp(self, data: bytes, offset: int, where: str) -> tuple[Any, int]:
-        _TIMESTAMP.unpack_from(data, offset)  # too short: damaged, not undecodable
+        (seconds,) = _TIMESTAMP.unpack_from(data, offset)  # too short: damaged, not undecodable
         try:
-            return decode.timestamp(data[offset : offset + 8])[1], offset + 8
-        except (ValueError, OverflowError, OSError) as exc:  # a date Python cannot hold
+            return timestamp_of(seconds), offset + 8
+        except (ValueError, OverflowError, OSError) as exc:  # past the year 9999
             self._note(where, exc)
             return None, offset + 8
 
@@ -455,12 +454,12 @@ class _Escaping:
         return table, end
 
     def value(self, data: bytes, offset: int, where: str) -> tuple[Any, int]:
-        kind = data[offset : offset + 1]
-        if kind == b"F":
+        kind = data[offset]
+        if kind == F_TABLE:
             return self.table(data, offset + 1, where)
-        if kind == b"T":
+        if kind == T_TIMESTAMP:
             return self.timestamp(data, offset + 1, where)
-        if kind == b"A":
+        if kind == A_ARRAY:
             (length,) = _LONG.unpack_from(data, offset + 1)
             offset += 5
             end = offset + length
@@ -470,11 +469,10 @@ class _Escaping:
             while offset < end:
                 item, offset = self.value(data, offset, f"{where}[{len(items)}]")
                 items.append(item)
-            return items, offset
-        used, value = decode.embedded_value(data[offset:])
-        if not used:
-            raise ValueError("field value past the end of the frame")
-        return value, offset + used
+            if offset != end:
+                raise ValueError("field array overruns its length")
+            return items, end
+        return read_scalar(kind, data, offset + 1)
 
     def undecodable(self) -> Undecodable | None:
         if self.error is None:

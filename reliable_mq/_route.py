@@ -197,8 +197,14 @@ class ChannelKeeper:
         """
         connection = await self.supervisor.wait_connected()
         transport = connection.transport
-        if transport is not None:  # our connection: its frames are decoded by us (see _inbound)
-            take_frames(transport.connection)
+        # Our connection: its frames are decoded by us (see _inbound), or we say so.
+        if transport is not None and not take_frames(transport.connection):
+            route.log.warning(
+                "frame_decoder_not_installed",
+                hint="aiormq's frame receiver was not found: pamqp decodes this connection "
+                "(a timestamp after 2106 reads as 1970; a string that is not UTF-8 "
+                "closes the connection)",
+            )
         aio_channel = None
         try:
             async with asyncio.timeout(self.connection_settings.connect_timeout):

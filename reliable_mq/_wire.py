@@ -16,7 +16,11 @@ that the client can check is refused here, before anything is sent, with an
 * header values of AMQP field types only, numbers finite and in range, nesting
   at most 32 levels;
 * ``expiration`` a finite number of seconds from 0 to 2**32 - 1 ms, the
-  broker's own limit; ``priority`` 0 to 255; a timestamp from 1970 on;
+  broker's own limit, rounded to the nearest millisecond (``64.002`` is
+  ``"64002"``, never truncated to ``"64001"``); ``priority`` 0 to 255;
+* a timestamp (the property, and ``T`` header values) from 1970 on, as 64-bit
+  POSIX seconds (the fraction of a second dropped): ``datetime(2200, 1, 1)``
+  is ``7258118400``, beyond the 32 bits some decoders assume;
 * the content header (properties and headers) within one frame of the
   negotiated ``frame_max``.
 
@@ -29,7 +33,7 @@ import datetime as dt
 import math
 import struct
 from collections.abc import Mapping
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from .errors import InvalidMessage
@@ -42,6 +46,7 @@ __all__ = (
     "encode_headers",
     "encode_properties",
     "encode_publish",
+    "expiration_ms",
     "publish_frames",
 )
 
@@ -52,6 +57,8 @@ MAX_EXPIRATION_MS = 4_294_967_295
 _MAX_DEPTH = 32
 _MAX_KEY = 128
 _FRAME_END = b"\xce"
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_SECOND = dt.timedelta(seconds=1)
 
 _pack_frame_head = struct.Struct(">BHI").pack
 _pack_content_head = struct.Struct(">HHQ").pack
@@ -79,7 +86,9 @@ _EXPIRATION = 1 << 8
 _MESSAGE_ID = 1 << 7
 _TIMESTAMP = 1 << 6
 _TYPE = 1 << 5
+_USER_ID = 1 << 4
 _APP_ID = 1 << 3
+_CLUSTER_ID = 1 << 2
 
 
 class Encoded:
@@ -148,32 +157,45 @@ def encode_publish(exchange: str, routing_key: str, mandatory: bool) -> bytes:
 def encode_properties(
     body_size: int,
     *,
-    content_type: str | None,
-    delivery_mode: int,
-    message_id: str,
+    content_type: str | None = None,
+    content_encoding: str | None = None,
     headers: Mapping[str, Any] | None = None,
+    delivery_mode: int | None = None,
     priority: int | None = None,
     correlation_id: str | None = None,
     reply_to: str | None = None,
     expiration: float | None = None,
+    message_id: str | None = None,
     timestamp: dt.datetime | None = None,
     message_type: str | None = None,
+    user_id: str | None = None,
     app_id: str | None = None,
+    cluster_id: str | None = None,
 ) -> bytes:
     """The content header payload (class, weight, body size, flags, properties).
+
+    Every basic property, in wire order; None leaves it out, and an empty
+    string is sent as an empty string. ``publish()`` always gives
+    ``delivery_mode`` and ``message_id``; a copy of a received message gives
+    what the original had.
 
     Raises:
         InvalidMessage: a property of the wrong type or out of range (named).
     """
-    flags = _DELIVERY_MODE | _MESSAGE_ID
+    flags = 0
     parts: list[bytes] = []
     if content_type is not None:
         flags |= _CONTENT_TYPE
         parts.append(shortstr(content_type, "content_type"))
+    if content_encoding is not None:
+        flags |= _CONTENT_ENCODING
+        parts.append(shortstr(content_encoding, "content_encoding"))
     if headers:
         flags |= _HEADERS
         parts.append(encode_headers(headers))
-    parts.append(bytes((delivery_mode,)))
+    if delivery_mode is not None:
+        flags |= _DELIVERY_MODE
+        parts.append(bytes((delivery_mode,)))
     if priority is not None:
         if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255:
             raise InvalidMessage(f"priority must be an int from 0 to 255, not {priority!r}")
@@ -187,26 +209,47 @@ def encode_properties(
         parts.append(shortstr(reply_to, "reply_to"))
     if expiration is not None:
         flags |= _EXPIRATION
-        parts.append(shortstr(str(_expiration_ms(expiration)), "expiration"))
-    parts.append(shortstr(message_id, "message_id"))
+        parts.append(shortstr(str(expiration_ms(expiration)), "expiration"))
+    if message_id is not None:
+        flags |= _MESSAGE_ID
+        parts.append(shortstr(message_id, "message_id"))
     if timestamp is not None:
         flags |= _TIMESTAMP
         parts.append(_U64(_timestamp(timestamp, "timestamp")))
     if message_type is not None:
         flags |= _TYPE
         parts.append(shortstr(message_type, "message_type"))
+    if user_id is not None:
+        flags |= _USER_ID
+        parts.append(shortstr(user_id, "user_id"))
     if app_id is not None:
         flags |= _APP_ID
         parts.append(shortstr(app_id, "app_id"))
+    if cluster_id is not None:
+        flags |= _CLUSTER_ID
+        parts.append(shortstr(cluster_id, "cluster_id"))
     return b"".join((_pack_content_head(60, 0, body_size), _U16(flags), *parts))
 
 
-def _expiration_ms(value: Any) -> int:
+def expiration_ms(value: Any) -> int:
+    """``expiration`` seconds as the whole milliseconds the property carries, rounded
+    half up from the number as written (``64.002`` is 64002, ``0.0005`` is 1).
+
+    Raises:
+        InvalidMessage: not a number, negative, not finite, or over the broker's limit.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float, Decimal)):
         raise InvalidMessage(f"expiration must be a number of seconds, not {type(value).__name__}")
     if not math.isfinite(value) or value < 0:
         raise InvalidMessage(f"expiration must be finite and >= 0 seconds, not {value!r}")
-    ms = int(value * 1000)
+    if isinstance(value, int):
+        ms = value * 1000
+    else:  # a float by its shortest repr: the decimal the caller wrote, not its binary neighbour
+        exact = value if isinstance(value, Decimal) else Decimal(repr(value))
+        if exact > MAX_EXPIRATION_MS:  # before scaling: Decimal("1e999999") must not grow
+            ms = MAX_EXPIRATION_MS + 1
+        else:
+            ms = int((exact * 1000).to_integral_value(ROUND_HALF_UP))
     if ms > MAX_EXPIRATION_MS:
         raise InvalidMessage(
             f"expiration {value!r}s is over the broker's limit of {MAX_EXPIRATION_MS} ms"
@@ -215,11 +258,12 @@ def _expiration_ms(value: Any) -> int:
 
 
 def _timestamp(value: Any, field: str) -> int:
+    """Whole POSIX seconds (64-bit, floor), computed exactly: no float on the way."""
     if not isinstance(value, dt.datetime):
         raise InvalidMessage(f"{field} must be a datetime, not {type(value).__name__}")
     if value.tzinfo is None or value.utcoffset() is None:
         value = value.replace(tzinfo=dt.UTC)
-    seconds: int = math.floor(value.timestamp())
+    seconds: int = (value - _EPOCH) // _SECOND
     if seconds < 0:
         raise InvalidMessage(f"{field} {value.isoformat()} is before 1970, not encodable")
     return seconds

@@ -68,7 +68,12 @@ class _BadHeaders(Mapping[str, Any]):
 
 
 class _BadTime(datetime.datetime):
+    """A datetime whose own code raises when its seconds are computed."""
+
     def timestamp(self) -> float:
+        return 1 / 0
+
+    def __sub__(self, other: Any) -> Any:  # the encoder subtracts the epoch: exact seconds
         return 1 / 0
 
 

@@ -1,10 +1,12 @@
-"""Our publish frames: what pamqp (the broker's view, for our purposes) decodes, and what we refuse."""
+"""Our publish frames: what pamqp and the consumer's decoder read back, and what we refuse."""
 
 from __future__ import annotations
 
 import datetime as dt
 import math
+import struct
 from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 import pamqp.frame
@@ -18,6 +20,7 @@ from pydantic import BaseModel
 
 from reliable_mq._codec import encode_body
 from reliable_mq._confirms import ConfirmTracker
+from reliable_mq._inbound import decode_frame
 from reliable_mq._wire import (
     MAX_EXPIRATION_MS,
     Encoded,
@@ -25,6 +28,7 @@ from reliable_mq._wire import (
     encode_headers,
     encode_properties,
     encode_publish,
+    expiration_ms,
     publish_frames,
 )
 from reliable_mq.errors import InvalidBody, InvalidMessage
@@ -78,6 +82,12 @@ def _decode(data: bytes) -> list[Any]:
     return frames
 
 
+_short = st.text(max_size=30).filter(lambda s: len(s.encode()) <= 255)
+_datetimes = st.datetimes(
+    min_value=dt.datetime(1970, 1, 1), max_value=dt.datetime(9999, 12, 31, 23, 59, 59)
+)
+
+
 class TestFrames:
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
@@ -86,69 +96,168 @@ class TestFrames:
         mandatory=st.booleans(),
         body=st.binary(max_size=3000),
         headers=tables,
-        message_id=st.text(min_size=1, max_size=40),
+        strings=st.fixed_dictionaries(
+            {},
+            optional={
+                name: _short
+                for name in (
+                    "content_type",
+                    "content_encoding",
+                    "correlation_id",
+                    "reply_to",
+                    "message_id",
+                    "message_type",
+                    "user_id",
+                    "app_id",
+                    "cluster_id",
+                )
+            },
+        ),
+        delivery_mode=st.none() | st.sampled_from([1, 2]),
         priority=st.none() | st.integers(min_value=0, max_value=255),
         expiration=st.none() | st.floats(min_value=0, max_value=1000),
+        timestamp=st.none() | _datetimes,
         frame_max=st.sampled_from([4096, 131072]),
         channel=st.integers(min_value=1, max_value=2047),
     )
-    def test_pamqp_decodes_what_we_encode(
+    def test_what_we_encode_decodes_as_sent(
         self,
         exchange: str,
         routing_key: str,
         mandatory: bool,
         body: bytes,
         headers: dict[str, Any],
-        message_id: str,
+        strings: dict[str, str],
+        delivery_mode: int | None,
         priority: int | None,
         expiration: float | None,
+        timestamp: dt.datetime | None,
         frame_max: int,
         channel: int,
     ) -> None:
-        """Method, content header and body frames round-trip through pamqp."""
+        """Method, content header and body frames round-trip: every property (none,
+        empty and full strings), timestamps to the year 9999, expiration rounded."""
         encoded = Encoded(
             encode_publish(exchange, routing_key, mandatory),
             encode_properties(
                 len(body),
-                content_type="application/octet-stream",
-                delivery_mode=2,
-                message_id=message_id,
                 headers=headers,
+                delivery_mode=delivery_mode,
                 priority=priority,
                 expiration=expiration,
-                correlation_id="c",
-                reply_to="r",
-                message_type="t",
-                app_id="a",
-                timestamp=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+                timestamp=timestamp,
+                **strings,
             ),
             body,
         )
-        frames = _decode(publish_frames(channel, encoded, frame_max))
-        method, header, *bodies = frames
+        data = publish_frames(channel, encoded, frame_max)
+        method, _, *bodies = _decode(data)
         assert isinstance(method, Basic.Publish)
         assert (method.exchange, method.routing_key, method.mandatory) == (
             exchange,
             routing_key,
             mandatory,
         )
-        assert isinstance(header, ContentHeader)
-        assert header.body_size == len(body)
-        props = header.properties
-        assert props.message_id == message_id
-        assert props.delivery_mode == 2
-        assert props.priority == priority
-        assert props.expiration == (None if expiration is None else str(int(expiration * 1000)))
-        assert (props.correlation_id, props.reply_to, props.message_type, props.app_id) == (
-            "c",
-            "r",
-            "t",
-            "a",
+        # The content header as the consumer decodes it (pamqp would read a
+        # timestamp after 2106 as milliseconds).
+        header = frames_of(data)[1]
+        _, _, ours = decode_frame(header[:7], header[7:])
+        assert type(ours) is ContentHeader
+        assert ours.body_size == len(body)
+        props = ours.properties
+        for name, value in strings.items():
+            assert getattr(props, name) == value, name
+        for name in set(_STRINGS) - set(strings):
+            assert getattr(props, name) == ("" if name == "cluster_id" else None), name
+        assert (props.delivery_mode, props.priority) == (delivery_mode, priority)
+        assert props.expiration == (None if expiration is None else str(_half_up_ms(expiration)))
+        assert props.timestamp == (
+            None if timestamp is None else timestamp.replace(microsecond=0, tzinfo=dt.UTC)
         )
         assert _normalise(props.headers or {}) == _normalise(headers)
         assert all(isinstance(b, ContentBody) for b in bodies)
         assert b"".join(b.value for b in bodies) == body
         assert all(len(b.value) <= frame_max - 8 for b in bodies)
+
+
+_STRINGS = (
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "reply_to",
+    "message_id",
+    "message_type",
+    "user_id",
+    "app_id",
+    "cluster_id",
+)
+
+
+def frames_of(data: bytes) -> list[bytes]:
+    """The raw frames of ``data`` (header, payload and end octet each)."""
+    frames = []
+    while data:
+        size = int.from_bytes(data[3:7], "big")
+        frames.append(data[: size + 8])
+        data = data[size + 8 :]
+    return frames
+
+
+def _half_up_ms(seconds: float) -> int:
+    """Milliseconds, rounded half up from the decimal the float prints as (independently
+    of `expiration_ms`: exact fractions)."""
+    return math.floor(Fraction(repr(seconds)) * 1000 + Fraction(1, 2))
+
+
+class TestExpiration:
+    def test_every_millisecond_below_100_seconds(self) -> None:
+        """``ms / 1000`` seconds is ``ms`` for all 100,000 values (truncation lost one
+        millisecond on 741 of them: ``64.002`` went out as ``64001``)."""
+        truncated = sum(int(ms / 1000 * 1000) != ms for ms in range(100_000))
+        assert truncated == 741  # the defect this guards against is real
+        assert [ms for ms in range(100_000) if expiration_ms(ms / 1000) != ms] == []
+        assert [ms for ms in range(100_000) if expiration_ms(Decimal(ms) / 1000) != ms] == []
+        assert expiration_ms(64.002) == 64002
+
+    @pytest.mark.parametrize(
+        ("seconds", "ms"),
+        [(0, 0), (0.0004, 0), (0.0005, 1), (0.0015, 2), (1.4375, 1438), (4_294_967.295, 2**32 - 1)],
+    )
+    def test_rounded_half_up(self, seconds: float, ms: int) -> None:
+        """Half a millisecond rounds up, as written (not as its binary neighbour)."""
+        assert expiration_ms(seconds) == ms
+
+
+class TestTimestamps:
+    @pytest.mark.parametrize(
+        ("value", "seconds"),
+        [
+            (dt.datetime(2200, 1, 1), 7_258_118_400),
+            (dt.datetime(2106, 2, 7, 6, 28, 16, tzinfo=dt.UTC), 2**32),
+            (dt.datetime(9999, 12, 31, 23, 59, 59, 999_999), 253_402_300_799),
+            (dt.datetime(1970, 1, 1, 0, 0, 0, 999_999), 0),
+            (dt.datetime(2000, 1, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=1))), 946_684_800),
+        ],
+    )
+    def test_64_bit_seconds_both_ways(self, value: dt.datetime, seconds: int) -> None:
+        """The property and a ``T`` header value are whole 64-bit seconds (floor, exact:
+        the last microsecond of 9999 is not rounded into the year 10000), and the
+        consumer's decoder reads them back as the same instant."""
+        header = encode_properties(0, timestamp=value, headers={"t": value, "a": [value]})
+        assert struct.pack(">Q", seconds) in header
+        frame = struct.pack(">BHI", 2, 1, len(header)) + header + b"\xce"
+        _, _, decoded = decode_frame(frame[:7], frame[7:])
+        assert type(decoded) is ContentHeader
+        want = dt.datetime.fromtimestamp(seconds, dt.UTC)
+        props = decoded.properties
+        assert (props.timestamp, props.headers) == (want, {"t": want, "a": [want]})
+
+    def test_before_1970_is_refused(self) -> None:
+        """A timestamp before the epoch cannot be sent: InvalidMessage names the field."""
+        with pytest.raises(InvalidMessage, match="timestamp 1969"):
+            encode_properties(0, timestamp=dt.datetime(1969, 12, 31, 23, 59, 59))
+        with pytest.raises(InvalidMessage, match=r"headers\['t'\]\[0\] 1969"):
+            encode_headers({"t": [dt.datetime(1969, 12, 31, tzinfo=dt.UTC)]})
 
 
 class TestRefusedBeforeSending:
