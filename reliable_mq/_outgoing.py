@@ -6,7 +6,7 @@ import asyncio
 import datetime as dt
 import enum
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._codec import encode_body
 from ._wire import FRAME_OVERHEAD, Encoded, check_timeout, encode_properties, encode_publish
@@ -155,11 +155,13 @@ class Preparer:
         persistent: bool | None = None,
         mandatory: bool | None = None,
         content_type: str | None = None,
+        content_encoding: str | None = None,
         correlation_id: str | None = None,
         reply_to: str | None = None,
         expiration: float | None = None,
         priority: int | None = None,
         message_type: str | None = None,
+        user_id: str | None = None,
         app_id: str | None = None,
         timestamp: dt.datetime | None = None,
     ) -> tuple[str, Encoded, bool]:
@@ -201,7 +203,9 @@ class Preparer:
             method = self.method(exchange, routing_key, sticky)
             header = encode_properties(
                 len(payload),
-                content_type=content_type or inferred_type,
+                # An empty content type is the caller's: only None means "infer it".
+                content_type=inferred_type if content_type is None else content_type,
+                content_encoding=content_encoding,
                 delivery_mode=2 if _flag(persistent, settings.persistent, "persistent") else 1,
                 message_id=message_id,
                 headers=_headers(headers),
@@ -211,28 +215,75 @@ class Preparer:
                 expiration=expiration,
                 timestamp=timestamp,
                 message_type=message_type,
+                user_id=user_id,
                 app_id=app_id,
             )
-        except ReliableMQError:
-            raise
-        except RecursionError:
-            raise InvalidMessage("headers are nested too deeply to encode") from None
         except Exception as exc:
-            raise InvalidMessage(
-                f"cannot encode the routing key, properties or headers: {_describe(exc)}"
-            ) from exc
+            _not_encodable(exc)
+        self._check_frame(header)
+        return message_id, Encoded(method, header, payload), sticky
+
+    def encode_copy(
+        self,
+        seq: int,
+        body: bytes,
+        routing_key: str,
+        properties: Mapping[str, Any],
+        headers: Mapping[str, Any],
+    ) -> tuple[str, Encoded]:
+        """Encode a copy of a received message: ``properties`` exactly as given.
+
+        ``properties`` are the keyword arguments of
+        [`encode_properties`][reliable_mq._wire.encode_properties] but ``headers``
+        (None leaves a property out; see `reliable_mq._copies.copy_properties`).
+        Sent to the default exchange, mandatory. A copy needs a message id on the
+        wire (a ``basic.return`` is matched by it): one is generated when
+        ``properties`` has none, or an empty one.
+
+        Raises:
+            InvalidMessage, MessageTooLarge: it cannot be sent as given.
+        """
+        message_id = properties.get("message_id") or f"{self._id_prefix}{seq:x}"
+        if len(body) > self.settings.max_message_size:
+            raise MessageTooLarge(
+                f"body is {len(body)} bytes, over max_message_size="
+                f"{self.settings.max_message_size}",
+                message_id=message_id,
+                attempts=0,
+            )
+        try:
+            method = self.method("", routing_key, True)
+            header = encode_properties(
+                len(body), **{**properties, "message_id": message_id, "headers": headers}
+            )
+        except Exception as exc:
+            _not_encodable(exc)
+        self._check_frame(header)
+        return message_id, Encoded(method, header, body)
+
+    def _check_frame(self, header: bytes) -> None:
         if len(header) + FRAME_OVERHEAD > self.frame_max:
             raise InvalidMessage(
                 f"properties and headers take {len(header)} bytes, over the connection's "
                 f"frame_max={self.frame_max} (they must fit in one frame)"
             )
-        return message_id, Encoded(method, header, payload), sticky
 
     def deadline_in(self, timeout: Any) -> float:
         """The publish deadline in seconds from now (``timeout`` or the default)."""
         if timeout is None:
             return self.settings.publish_timeout
         return check_timeout(timeout)
+
+
+def _not_encodable(exc: Exception) -> NoReturn:
+    """Raise what an exception from encoding the frames means (ours as they are)."""
+    if isinstance(exc, ReliableMQError):
+        raise exc
+    if isinstance(exc, RecursionError):
+        raise InvalidMessage("headers are nested too deeply to encode") from None
+    raise InvalidMessage(
+        f"cannot encode the routing key, properties or headers: {_describe(exc)}"
+    ) from exc
 
 
 def _describe(exc: BaseException) -> str:

@@ -123,6 +123,15 @@ class ConnectionSupervisor:
         """The open connection, or None while (re)connecting."""
         return self._connection if self._state is ConnectionState.CONNECTED else None
 
+    @property
+    def user(self) -> str | None:
+        """The user the broker address in use logs in as (the URL's, else aiormq's
+        ``guest``); None when the broker names it (``auth=external``: a TLS certificate)."""
+        url = self._current_address().url
+        if url.query.get("auth", "plain").upper() == "EXTERNAL":
+            return None
+        return url.user or "guest"
+
     async def start(self) -> None:
         """Connect for the first time; try every address once before giving up.
 

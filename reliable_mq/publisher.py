@@ -30,7 +30,7 @@ import enum
 import functools
 import secrets
 import time
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -156,6 +156,14 @@ class ReliablePublisher:
         and after, and connected at both ends.
         """
         return self._supervisor.generation
+
+    @property
+    def user(self) -> str | None:
+        """The user name this publisher logs in as (None with ``auth=external``).
+
+        RabbitMQ refuses a message whose ``user_id`` property is another name.
+        """
+        return self._supervisor.user
 
     async def __aenter__(self) -> ReliablePublisher:
         await self.start()
@@ -339,6 +347,34 @@ class ReliablePublisher:
         if not self._engine.admit_now(out):
             await self._engine.admit(out)
         return PendingPublish(out.message_id, future)
+
+    async def _enqueue_copy(
+        self,
+        body: bytes,
+        *,
+        routing_key: str,
+        properties: Mapping[str, Any],
+        headers: Mapping[str, Any],
+        timeout: float | None = None,
+    ) -> asyncio.Future[PublishResult]:
+        """Like ``enqueue()``, for a copy of a received message (the consumer's
+        retry and DLQ copies, ``reliable-mq dlq move``): its properties exactly as
+        ``properties`` gives them (see `reliable_mq._copies.copy_properties`),
+        to the default exchange, mandatory. Returns the outcome's future
+        (awaiting it unshielded, as ``publish()`` does).
+        """
+        self._check_open()
+        deadline_in = self._preparer.deadline_in(timeout)
+        self._seq += 1
+        message_id, encoded = self._preparer.encode_copy(
+            self._seq, body, routing_key, properties, headers
+        )
+        out = self._outgoing(message_id, encoded, "", routing_key, True, deadline_in)
+        future: asyncio.Future[PublishResult] = asyncio.get_running_loop().create_future()
+        out.future = future
+        if not self._engine.admit_now(out):
+            await self._engine.admit(out)
+        return future
 
     def publish_with_callback(
         self,
@@ -543,11 +579,13 @@ class ReliablePublisher:
             persistent=message.persistent,
             mandatory=message.mandatory,
             content_type=message.content_type,
+            content_encoding=message.content_encoding,
             correlation_id=message.correlation_id,
             reply_to=message.reply_to,
             expiration=message.expiration,
             priority=message.priority,
             message_type=message.message_type,
+            user_id=message.user_id,
             app_id=message.app_id,
             timestamp=message.timestamp,
         )

@@ -89,8 +89,10 @@ async def add(
     ordering_key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     content_type: str | None = None,
+    content_encoding: str | None = None,
     correlation_id: str | None = None,
     message_type: str | None = None,
+    user_id: str | None = None,
     table: str = DEFAULT_TABLE,
     max_body: int = DEFAULT_MAX_BODY,
 ) -> str:
@@ -111,9 +113,13 @@ async def add(
         headers: AMQP headers (JSON values: str, int, float, bool, None, lists, maps).
             Each value keeps its type through storage: a float is published
             as a float (``1e19`` too), an int as an int.
-        content_type: overrides the type inferred from the body.
+        content_type: overrides the type inferred from the body (``""`` is sent
+            as an empty content type).
+        content_encoding: the AMQP ``content-encoding`` property (``"gzip"``...).
         correlation_id: the AMQP ``correlation_id`` property.
         message_type: the AMQP ``type`` property.
+        user_id: the AMQP ``user-id`` property: RabbitMQ refuses it unless it is
+            the relay's user (the row then goes ``dead``).
         table: the outbox table (default ``reliable_mq_outbox``).
         max_body: the largest encoded body accepted, in bytes.
 
@@ -137,8 +143,10 @@ async def add(
         ordering_key=ordering_key,
         headers=headers,
         content_type=content_type,
+        content_encoding=content_encoding,
         correlation_id=correlation_id,
         message_type=message_type,
+        user_id=user_id,
         max_body=max_body,
     )
     table = check_table_name(table)
@@ -170,8 +178,10 @@ def add_sync(
     ordering_key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     content_type: str | None = None,
+    content_encoding: str | None = None,
     correlation_id: str | None = None,
     message_type: str | None = None,
+    user_id: str | None = None,
     table: str = DEFAULT_TABLE,
     max_body: int = DEFAULT_MAX_BODY,
 ) -> str:
@@ -190,8 +200,10 @@ def add_sync(
         ordering_key=ordering_key,
         headers=headers,
         content_type=content_type,
+        content_encoding=content_encoding,
         correlation_id=correlation_id,
         message_type=message_type,
+        user_id=user_id,
         max_body=max_body,
     )
     table = check_table_name(table)
@@ -246,8 +258,10 @@ def _prepare(
     ordering_key: Any,
     headers: Any,
     content_type: Any,
+    content_encoding: Any,
     correlation_id: Any,
     message_type: Any,
+    user_id: Any,
     max_body: int,
 ) -> _Row:
     routing_key = _text("routing_key", routing_key)
@@ -267,8 +281,10 @@ def _prepare(
     properties: dict[str, Any] = {"content_type": inferred}
     for name, value in (
         ("content_type", content_type),
+        ("content_encoding", content_encoding),
         ("correlation_id", correlation_id),
         ("message_type", message_type),
+        ("user_id", user_id),
     ):
         if value is not None:
             properties[name] = _text(name, value)

@@ -499,8 +499,10 @@ class OutboxRelay:
                 message_id=row.message_id,
                 headers=_headers(row.properties),
                 content_type=_text_or_none(row.properties.get("content_type")),
+                content_encoding=_text_or_none(row.properties.get("content_encoding")),
                 correlation_id=_text_or_none(row.properties.get("correlation_id")),
                 message_type=_text_or_none(row.properties.get("message_type")),
+                user_id=_text_or_none(row.properties.get("user_id")),
             )
             for row in rows
         ]

@@ -44,6 +44,7 @@ from reliable_mq.outbox._backend import RowResult
 from reliable_mq.outbox._postgres import PostgresBackend
 from reliable_mq.outbox.admin import create_schema, dead_rows, outbox_status, requeue_dead
 from reliable_mq.testing import TCPProxy
+from tests.support import pika_client
 from tests.support.amqp import drain_queue
 from tests.support.private_postgres import PrivatePostgres
 
@@ -121,6 +122,42 @@ class TestDispatch:
             "reliable_mq_outbox_dispatched_rows_total", {"table": table}
         )
         assert value == 5
+
+    async def test_every_property_add_takes_reaches_the_message(
+        self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
+    ) -> None:
+        """content_encoding and user_id (issue 19) and an empty content type, kept empty,
+        as another client (pika) reads them."""
+        await write(
+            pg.dsn,
+            table,
+            [
+                {
+                    "body": b"x",
+                    "routing_key": queue,
+                    "message_id": "m1",
+                    "content_type": "",
+                    "content_encoding": "gzip",
+                    "correlation_id": "",
+                    "message_type": "order.created",
+                    "user_id": "guest",
+                }
+            ],
+        )
+        async with relay_for(pg.dsn, broker_url, table) as relay:
+            await drain_all(relay)
+        (message,) = await asyncio.to_thread(pika_client.get_all, broker_url, queue)
+        got = message.properties
+        assert (got["message_id"], got["content_type"], got["content_encoding"]) == (
+            "m1",
+            "",
+            "gzip",
+        )
+        assert (got["correlation_id"], got["message_type"], got["user_id"]) == (
+            "",
+            "order.created",
+            "guest",
+        )
 
     async def test_poison_rows_go_dead_and_never_block_their_key(
         self, pg: PrivatePostgres, table: str, broker_url: str, queue: str
