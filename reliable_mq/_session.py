@@ -371,6 +371,8 @@ class Session(Frames):
             return Settle.STALE
         delivery, route = ticket.delivery, self.route
         purpose = decision.settle
+        publisher = self.shared.publisher
+        user = publisher.user if publisher is not None else None
         rung = Rung.FULL_COPY
         while rung in (Rung.FULL_COPY, Rung.TRIMMED_COPY):
             copy: Copy | None = None
@@ -384,6 +386,7 @@ class Session(Frames):
                     decision,
                     cause,
                     trimmed=trimmed,
+                    user=user,
                 )
             except Exception as exc:  # a copy that cannot even be built walks the ladder too
                 fault, error = CopyFault.INVALID, repr(exc)[:500]
@@ -436,18 +439,14 @@ class Session(Frames):
         try:
             if publisher is None:
                 raise ClosedError("consumer has no publisher")
-            await publisher.publish(
+            outcome = await publisher._enqueue_copy(
                 delivery.body,
                 routing_key=copy.queue,
-                message_id=delivery.message_id or None,
+                properties=copy.properties,
                 headers=copy.headers,
-                content_type=delivery.content_type or "application/octet-stream",
-                correlation_id=delivery.correlation_id,
-                reply_to=delivery.reply_to,
                 timeout=self.shared.settings.republish_timeout,
-                persistent=True,
-                mandatory=True,
             )
+            await outcome
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # typed publish errors, and anything an encoder may raise

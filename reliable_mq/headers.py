@@ -12,7 +12,8 @@ Headers the consumer writes on the copies it republishes:
 | `x-reliable-mq-last-error` | retry copies | `"ExceptionType: message"` of the failed attempt (at most 1,000 characters) |
 | `x-reliable-mq-original-exchange` | every copy | the exchange the message was first published to (`""`: the default one) |
 | `x-reliable-mq-original-routing-key` | every copy | the routing key it was first published with |
-| `x-reliable-mq-no-content-type` | every copy | `True` when the original had no content type (the copy decodes like it) |
+| `x-reliable-mq-original-expiration` | every copy of a message that had an `expiration` | that `expiration` (milliseconds, as a string); the copy itself has none |
+| `x-reliable-mq-original-user-id` | every copy of a message whose `user_id` is not the user the copy is published as | that `user_id`; the copy itself has none (the broker would refuse it) |
 | `x-reliable-mq-reason` | DLQ copies | why: one of [`DeadLetterReason`][reliable_mq.headers.DeadLetterReason] |
 | `x-reliable-mq-error-type` | DLQ copies | the exception type (or the reason when nothing raised) |
 | `x-reliable-mq-error-message` | DLQ copies | the exception text (at most 1,000 characters) |
@@ -21,6 +22,16 @@ Headers the consumer writes on the copies it republishes:
 | `x-reliable-mq-dead-lettered-at` | DLQ copies | ISO-8601 UTC time |
 | `x-reliable-mq-dropped-headers` | trimmed copies | comma-separated names of the original's headers left out because the full copy could not be published |
 | `x-reliable-mq-moved-from` | `reliable-mq dlq move` | the DLQ a message was moved back from |
+
+Every copy (retry, deferred, DLQ, trimmed, and `reliable-mq dlq move`) also
+keeps the body and every basic property of the original as it had them, but
+`expiration` and a foreign `user_id` (the two headers above record them); a
+message without a `message_id` gets one. RabbitMQ's own dead-lettering also
+drops `expiration` (it records it in `x-death`).
+
+Read, no longer written: `x-reliable-mq-no-content-type` (`True` on copies made
+by earlier versions, which could not leave the content type out: such a copy
+carries `application/octet-stream` and decodes as if it had none).
 
 A message whose copy could not be published at all, on a work queue that
 reliable_mq declared (it has a dead-letter exchange), is rejected onto that
@@ -58,7 +69,9 @@ __all__ = (
     "MOVED_FROM_HEADER",
     "NO_CONTENT_TYPE_HEADER",
     "ORIGINAL_EXCHANGE_HEADER",
+    "ORIGINAL_EXPIRATION_HEADER",
     "ORIGINAL_ROUTING_KEY_HEADER",
+    "ORIGINAL_USER_ID_HEADER",
     "PREFIX",
     "QUEUE_HEADER",
     "REASON_HEADER",
@@ -84,8 +97,19 @@ ORIGINAL_ROUTING_KEY_HEADER = PREFIX + "original-routing-key"
 """The routing key the message was first published with (kept across every copy)."""
 
 NO_CONTENT_TYPE_HEADER = PREFIX + "no-content-type"
-"""Set on a copy whose original had no content type (the publisher always sets
-one), so the copy decodes exactly like the original."""
+"""Read, no longer written: earlier versions set it on a copy whose original had
+no content type (the copy carried ``application/octet-stream``), so that the copy
+decodes exactly like the original. Copies now keep an absent content type absent."""
+
+ORIGINAL_EXPIRATION_HEADER = PREFIX + "original-expiration"
+"""On a copy of a message that had an ``expiration``: that value (milliseconds, a
+string, as the property carries it). The copy has no ``expiration`` (it would
+expire in a retry queue or the DLQ), as RabbitMQ's own dead-lettering does."""
+
+ORIGINAL_USER_ID_HEADER = PREFIX + "original-user-id"
+"""On a copy of a message whose ``user_id`` is not the user the copy is published
+as: that ``user_id``. The copy has none (RabbitMQ refuses a ``user_id`` other than
+the connection's user with 406 ``PRECONDITION_FAILED``)."""
 
 REASON_HEADER = PREFIX + "reason"
 """On a DLQ copy: why it was dead-lettered (a [`DeadLetterReason`][reliable_mq.headers.DeadLetterReason] value)."""
@@ -156,6 +180,8 @@ WIRE_CONTRACT = frozenset(
         ORIGINAL_EXCHANGE_HEADER,
         ORIGINAL_ROUTING_KEY_HEADER,
         NO_CONTENT_TYPE_HEADER,
+        ORIGINAL_EXPIRATION_HEADER,
+        ORIGINAL_USER_ID_HEADER,
         *DEAD_LETTER_HEADERS,
         DROPPED_HEADERS_HEADER,
         MOVED_FROM_HEADER,

@@ -8,12 +8,14 @@ every publish error class. The consumer's real-broker tests
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from typing import Any
 
 import pytest
+from pamqp.commands import Basic
 from prometheus_client import CollectorRegistry
 
-from reliable_mq._copies import build_copy
+from reliable_mq._copies import COPIED_PROPERTIES, build_copy, copy_properties
 from reliable_mq._settle import (
     Cause,
     CopyFault,
@@ -49,7 +51,9 @@ from reliable_mq.headers import (
     ERROR_TYPE_HEADER,
     LAST_ERROR_HEADER,
     NO_CONTENT_TYPE_HEADER,
+    ORIGINAL_EXPIRATION_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
+    ORIGINAL_USER_ID_HEADER,
     REASON_HEADER,
     SPARK_PARTITION_HEADER,
     DeadLetterReason,
@@ -287,6 +291,16 @@ def _delivery(headers: dict[str, Any], content_type: str | None = "application/j
 TOPOLOGY = QueueTopology("orders", retry_delays=(1.0, 5.0))
 
 
+def _received(**values: Any) -> Basic.Properties:
+    """Properties as a delivery's decoder makes them: any value, none checked
+    (pamqp's constructor refuses a cluster_id, reserved in AMQP 0-9-1; RabbitMQ
+    passes one through)."""
+    props = Basic.Properties()
+    for name, value in values.items():
+        setattr(props, name, value)
+    return props
+
+
 class TestCopies:
     def test_full_retry_copy(self) -> None:
         """A retry copy keeps every header but x-delivery-count and adds attempt and error."""
@@ -303,7 +317,8 @@ class TestCopies:
         assert "x-delivery-count" not in copy.headers
         assert copy.headers[ATTEMPT_HEADER] == 3
         assert copy.headers[LAST_ERROR_HEADER] == "ValueError: boom"
-        assert copy.headers[NO_CONTENT_TYPE_HEADER] is True
+        assert NO_CONTENT_TYPE_HEADER not in copy.headers  # no content type: none on the copy
+        assert copy.properties["content_type"] is None
         assert copy.headers[ORIGINAL_ROUTING_KEY_HEADER] == "orders.new"
         assert not copy.trimmed
 
@@ -375,6 +390,82 @@ class TestCopies:
         assert reject.headers[ERROR_MESSAGE_HEADER] == "no \\ud800"
         for copy in (retry, dead, reject):
             encode_headers(copy.headers)  # encodable as they are
+
+    @pytest.mark.parametrize("trimmed", [False, True])
+    @pytest.mark.parametrize("decision", [Settle.RETRY, Settle.DEAD_LETTER, Settle.DEFER])
+    def test_every_property_is_kept(self, decision: Settle, trimmed: bool) -> None:
+        """Retry, DLQ and deferred copies, full or trimmed, carry every property as it
+        came (empty strings and absent ones included), but expiration (in a header)."""
+        props = _received(
+            content_type="",
+            content_encoding="gzip",
+            headers={"h": 1},
+            delivery_mode=1,
+            priority=9,
+            correlation_id="c",
+            reply_to="",
+            expiration="64002",
+            message_id="m-1",
+            timestamp=dt.datetime(2200, 1, 1, tzinfo=dt.UTC),
+            message_type="t",
+            user_id="guest",
+            app_id=None,
+            cluster_id="cl",
+        )
+        delivery = _delivery({"h": 1})
+        delivery.properties = props
+        copy = build_copy(
+            delivery,
+            TOPOLOGY,
+            1.0,
+            Decision(decision, DeadLetterReason.REJECTED),
+            Cause(Outcome.RAISED, ValueError("boom")),
+            trimmed=trimmed,
+            user="guest",
+        )
+        assert copy.properties == {name: getattr(props, name) for name in COPIED_PROPERTIES} | {
+            "user_id": "guest"
+        }
+        assert "expiration" not in copy.properties
+        assert copy.headers[ORIGINAL_EXPIRATION_HEADER] == "64002"
+        assert ORIGINAL_USER_ID_HEADER not in copy.headers
+
+    @pytest.mark.parametrize(
+        ("user_id", "user", "kept", "recorded"),
+        [
+            ("guest", "guest", "guest", None),
+            ("bob", "guest", None, "bob"),
+            ("", "guest", None, ""),
+            ("guest", None, None, "guest"),  # auth=external: the broker's name is unknown
+            (None, "guest", None, None),
+        ],
+    )
+    def test_user_id_only_as_the_publishing_user(
+        self, user_id: str | None, user: str | None, kept: str | None, recorded: str | None
+    ) -> None:
+        """A user_id the broker would refuse (406) moves to x-reliable-mq-original-user-id."""
+        headers: dict[str, Any] = {}
+        properties = copy_properties(_received(user_id=user_id), headers, user=user)
+        assert properties.get("user_id") == kept
+        assert headers.get(ORIGINAL_USER_ID_HEADER) == recorded
+
+    @pytest.mark.parametrize(
+        ("message_id", "cluster_id", "want_id", "want_cluster"),
+        [("m", "c", "m", "c"), ("", "", None, None), (None, "", None, None)],
+    )
+    def test_ids_the_publisher_needs(
+        self,
+        message_id: str | None,
+        cluster_id: str,
+        want_id: str | None,
+        want_cluster: str | None,
+    ) -> None:
+        """No (or an empty) message_id is None: the publisher gives the copy one (a
+        basic.return is matched by it). pamqp reads an absent cluster_id as "": absent."""
+        properties = copy_properties(
+            _received(message_id=message_id, cluster_id=cluster_id), {}, user="guest"
+        )
+        assert (properties["message_id"], properties["cluster_id"]) == (want_id, want_cluster)
 
     def test_deferral_keeps_the_attempt(self) -> None:
         """A deferred copy goes round the first retry queue with the same attempt."""

@@ -11,7 +11,9 @@ message that fails again at once cannot make ``move --all`` loop.
 [`ReliablePublisher`][reliable_mq.publisher.ReliablePublisher] (confirms, mandatory, same
 ``message_id``, attempt count and dead-letter headers removed) and acks it in
 the DLQ only once the broker has confirmed the copy: a crash in between leaves
-a duplicate (same ``message_id``), never a loss.
+a duplicate (same ``message_id``), never a loss. The copy is the message: its
+body and every property as the consumer's own copies keep them (see
+`reliable_mq._copies`), read from the frames as they came.
 """
 
 from __future__ import annotations
@@ -23,15 +25,19 @@ from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, NamedTuple
 
+import aiormq
+from aio_pika import IncomingMessage
 from aio_pika.abc import (
     AbstractChannel,
     AbstractConnection,
     AbstractIncomingMessage,
     AbstractQueue,
 )
+from pamqp.commands import Basic
 from prometheus_client import CollectorRegistry
 
-from ..errors import PublishError
+from .._copies import copy_properties
+from ..errors import InvalidMessage, PublishError
 from ..headers import (
     ATTEMPT_HEADER,
     BROKER_DEATH_HEADERS,
@@ -207,14 +213,25 @@ class _Browser:
         self._queue = queue
         self._limit = limit
         self.held: list[AbstractIncomingMessage] = []
+        self._received: dict[int, Basic.Properties] = {}
 
     async def messages(self) -> AsyncIterator[AbstractIncomingMessage]:
+        # As aio-pika's Queue.get, keeping the properties as they came: aio-pika's
+        # message turns an absent delivery mode into 1, an absent priority into 0
+        # and an empty string into None, and a copy must have what the original had.
+        channel = await self._queue.channel.get_underlay_channel()
         while len(self.held) < self._limit:
-            message = await self._queue.get(no_ack=False, fail=False, timeout=30)
-            if message is None:
+            got = await channel.basic_get(self._queue.name, no_ack=False, timeout=30)
+            if isinstance(got.delivery, aiormq.spec.Basic.GetEmpty):
                 return
+            message = IncomingMessage(got, no_ack=False)
             self.held.append(message)
+            self._received[message.delivery_tag or 0] = got.header.properties
             yield message
+
+    def properties(self, message: AbstractIncomingMessage) -> Basic.Properties:
+        """``message``'s properties as received."""
+        return self._received[message.delivery_tag or 0]
 
     async def release(self) -> None:
         """Return every message not settled otherwise to the queue (one frame)."""
@@ -354,19 +371,15 @@ async def _move(args: argparse.Namespace) -> int:
                             f"{printable(target)!r} does not exist; left in the DLQ"
                         )
                         continue
+                    copied = moved_headers(headers, name)
+                    properties = copy_properties(
+                        browser.properties(message), copied, user=publisher.user
+                    )
                     try:
-                        outcome = await publisher.enqueue(
-                            message.body,
-                            routing_key=target,
-                            message_id=message.message_id or None,
-                            headers=moved_headers(headers, name),
-                            content_type=message.content_type or "application/octet-stream",
-                            correlation_id=message.correlation_id,
-                            reply_to=message.reply_to,
-                            persistent=True,
-                            mandatory=True,
+                        outcome = await publisher._enqueue_copy(
+                            message.body, routing_key=target, properties=properties, headers=copied
                         )
-                    except PublishError as exc:
+                    except (PublishError, InvalidMessage) as exc:  # left in the DLQ
                         failed += 1
                         say(
                             f"reliable-mq: {printable(message.message_id)}: not moved: "
