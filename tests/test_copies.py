@@ -219,7 +219,7 @@ _hypothesis = settings(
 
 class TestEveryHop:
     @_hypothesis
-    @given(batch=st.lists(pika_properties(), min_size=1, max_size=6))
+    @given(batch=st.lists(pika_properties(), min_size=2, max_size=8))
     @example(batch=[ISSUE_EXAMPLE, dict.fromkeys(PROPERTIES)])
     def test_pika_properties_on_every_copy(
         self, broker_url: str, batch: list[dict[str, Any]]
