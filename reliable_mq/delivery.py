@@ -88,6 +88,10 @@ class Delivery:
         correlation_id: the AMQP correlation id, if any.
         reply_to: the AMQP reply-to, if any.
         delivery_tag: the tag on its channel (for logs; settle through the methods).
+        properties: every basic property as it came (pamqp's ``Basic.Properties``:
+            ``content_encoding``, ``priority``, ``timestamp`` as an aware UTC
+            datetime, ``message_type``, ``user_id``, ``app_id``...; None on a
+            Delivery made by hand). The consumer's copies keep them all.
     """
 
     __slots__ = (
