@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import aio_pika
 from aio_pika.abc import AbstractConnection
 
-from ._amqp_faults import AMQP_ERRORS, FaultKind, classify
+from ._amqp.faults import AMQP_ERRORS, FaultKind, classify
 from .errors import BrokerUnavailable, ClosedError
 from .log import get_logger
 from .metrics import Metrics

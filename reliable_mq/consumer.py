@@ -3,21 +3,21 @@
 One channel per consumed queue, opened on a connection kept by a
 `ConnectionSupervisor`. The hot path sits below aio-pika's per-message objects
 and below aiormq's own delivery handling (``basic_ack`` without waiting for a
-drain): see `reliable_mq._inbound` for what is owned there and why.
+drain): see `reliable_mq._amqp.inbound` for what is owned there and why.
 
 The consumer's jobs are split by module:
 
-* `reliable_mq._inbound`: a delivery's frames decoded, and the delivery handed
+* `reliable_mq._amqp.inbound`: a delivery's frames decoded, and the delivery handed
   over from its channel, in tag order;
-* `reliable_mq._dispatch`: one delivery from its channel to an outcome (the
+* `reliable_mq._consume.dispatch`: one delivery from its channel to an outcome (the
   handler returned, raised, timed out, the body did not decode...);
-* `reliable_mq._settle`: the pure decision, ``decide(policy, outcome, attempt)``,
+* `reliable_mq._consume.settle`: the pure decision, ``decide(policy, outcome, attempt)``,
   and the fallback ladder for a copy that cannot be published;
-* `reliable_mq._session`: per channel, `Session.apply` carries a decision out
+* `reliable_mq._consume.session`: per channel, `Session.apply` carries a decision out
   (dedup claim, copy, frame), exactly once per delivery; frames of one channel
   leave in the order they were decided (one lock), so an individual nack is
   never overtaken by a later multiple ack;
-* `reliable_mq._route`: a channel per queue, reopened whenever it dies;
+* `reliable_mq._consume.route`: a channel per queue, reopened whenever it dies;
 * this module: the public class, its life cycle and the handler watchdog.
 
 Outcomes (see [`AckPolicy`][reliable_mq.handlers.AckPolicy]):
@@ -54,12 +54,12 @@ from typing import Any, Literal, NamedTuple
 
 from prometheus_client import CollectorRegistry
 
-from ._amqp_faults import AMQP_ERRORS
-from ._dedup_gate import DedupGate
-from ._dispatch import Dispatcher
-from ._route import ChannelKeeper, Route
-from ._session import Shared
-from ._threads import HandlerThreads, pool_size
+from ._amqp.faults import AMQP_ERRORS
+from ._consume.dedup_gate import DedupGate
+from ._consume.dispatch import Dispatcher
+from ._consume.route import ChannelKeeper, Route
+from ._consume.session import Shared
+from ._consume.threads import HandlerThreads, pool_size
 from .connection import ConnectionSupervisor
 from .dedup.base import DedupStore
 from .dedup.memory import MemoryDedupStore

@@ -9,7 +9,7 @@ async def on_order(order: Order, delivery: Delivery) -> None: ...
 ```
 
 It may also be a plain ``def`` with the same signatures: the consumer runs it in
-a bounded thread pool of its own (see `reliable_mq._threads`). A plain ``def``
+a bounded thread pool of its own (see `reliable_mq._consume.threads`). A plain ``def``
 cannot use ``AckPolicy.MANUAL``: it steers the outcome by returning or raising.
 
 The body's annotation picks the decoder: a pydantic model (JSON, validated),

@@ -2,8 +2,8 @@
 
 Every accepted message holds one slot of a bounded window until its outcome
 is final, so memory stays bounded however many callers there are. Below the
-facade, ``_engine`` decides what happens to each message on every channel
-event and ``_stream`` owns the publish path under aiormq (coalesced writes,
+facade, ``_publish.engine`` decides what happens to each message on every channel
+event and ``_publish.stream`` owns the publish path under aiormq (coalesced writes,
 confirms tracked by ranges of delivery tags).
 
 Outcomes per message:
@@ -36,11 +36,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from typing_extensions import Unpack
 
-from ._batch import Batch, run_batch
-from ._closing import Closing, task_end
-from ._engine import Engine
-from ._outgoing import Outgoing, Preparer
-from ._wire import check_timeout
+from ._amqp.wire import check_timeout
+from ._publish.batch import Batch, run_batch
+from ._publish.closing import Closing, task_end
+from ._publish.engine import Engine
+from ._publish.outgoing import Outgoing, Preparer
 from .connection import ConnectionSupervisor
 from .errors import (
     ClosedError,
@@ -359,7 +359,7 @@ class ReliablePublisher:
     ) -> asyncio.Future[PublishResult]:
         """Like ``enqueue()``, for a copy of a received message (the consumer's
         retry and DLQ copies, ``reliable-mq dlq move``): its properties exactly as
-        ``properties`` gives them (see `reliable_mq._copies.copy_properties`),
+        ``properties`` gives them (see `reliable_mq._consume.copies.copy_properties`),
         to the default exchange, mandatory. Returns the outcome's future
         (awaiting it unshielded, as ``publish()`` does).
         """

@@ -33,7 +33,7 @@ from typing import Any
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from prometheus_client import CollectorRegistry
 
-from ._amqp_faults import AMQP_ERRORS, Fault, FaultKind, classify
+from ._amqp.faults import AMQP_ERRORS, Fault, FaultKind, classify
 from .connection import ConnectionSupervisor
 from .errors import ConsumerError
 from .metrics import Metrics

@@ -1,4 +1,4 @@
-"""Unit tests of the batched-ack bookkeeping (reliable_mq._acks), no broker."""
+"""Unit tests of the batched-ack bookkeeping (reliable_mq._consume.acks), no broker."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from reliable_mq._acks import AckTracker, TagState
-from reliable_mq._session import Session, Shared
+from reliable_mq._consume.acks import AckTracker, TagState
+from reliable_mq._consume.session import Session, Shared
 from reliable_mq.metrics import Metrics
 from reliable_mq.settings import ConsumerSettings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiormq
 import pytest
 
-from reliable_mq._amqp_faults import (
+from reliable_mq._amqp.faults import (
     Fault,
     FaultKind,
     classify,

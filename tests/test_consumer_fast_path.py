@@ -1,4 +1,4 @@
-"""The consumer's fast path: `reliable_mq._inbound`, the dispatcher's intake, batched metrics.
+"""The consumer's fast path: `reliable_mq._amqp.inbound`, the dispatcher's intake, batched metrics.
 
 `decode_frame` must give what pamqp gives for every frame, well-formed or not
 (it takes the three frames of a delivery itself and hands the rest to pamqp),
@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from reliable_mq import ConnectionSettings
-from reliable_mq._inbound import (
+from reliable_mq._amqp.inbound import (
     UndecodableDeliver,
     UndecodableHeader,
     _content_header,
@@ -418,8 +418,8 @@ class TestIntake:
     ) -> None:
         """A tag out of order (or any bug while recording) aborts the channel: the
         broker requeues its deliveries; nothing is left admitted and unsettled."""
-        from reliable_mq._dispatch import Dispatcher
-        from reliable_mq._session import Shared
+        from reliable_mq._consume.dispatch import Dispatcher
+        from reliable_mq._consume.session import Shared
         from reliable_mq.settings import ConsumerSettings
 
         aborted: list[bool] = []
@@ -446,8 +446,8 @@ class TestIntake:
     async def test_channel_dead_before_the_task_starts(self) -> None:
         """Deliveries whose channel dies before their task runs: each settled once,
         as stale, without running the handler; a running one is cancelled."""
-        from reliable_mq._dispatch import Dispatcher
-        from reliable_mq._session import Session, Shared
+        from reliable_mq._consume.dispatch import Dispatcher
+        from reliable_mq._consume.session import Session, Shared
         from reliable_mq.settings import ConsumerSettings
 
         calls: list[str] = []

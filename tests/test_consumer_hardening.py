@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, field_validator
 
 from reliable_mq import PublisherSettings, ReliablePublisher, _wire
-from reliable_mq._settle import UNPUBLISHABLE_COPY
+from reliable_mq._consume.settle import UNPUBLISHABLE_COPY
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.dedup import ClaimResult, MemoryDedupStore
 from reliable_mq.delivery import Delivery

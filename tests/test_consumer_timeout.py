@@ -34,9 +34,9 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from reliable_mq import ConnectionSettings, ReliablePublisher
-from reliable_mq._amqp_faults import FaultKind, classify
-from reliable_mq._frames import broker_cut
-from reliable_mq._route import HELD_MESSAGES
+from reliable_mq._amqp.faults import FaultKind, classify
+from reliable_mq._consume.frames import broker_cut
+from reliable_mq._consume.route import HELD_MESSAGES
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery
 from reliable_mq.headers import ATTEMPTS_HEADER, ERROR_MESSAGE_HEADER, REASON_HEADER
@@ -290,7 +290,7 @@ def _timeout_fault(text: str = CONSUMER_TIMEOUT_TEXT) -> Any:
 
 
 def _timed_session(**settings: Any) -> Any:
-    from reliable_mq._session import Session, Shared
+    from reliable_mq._consume.session import Session, Shared
     from reliable_mq.settings import ConsumerSettings
 
     route = _route(**settings)
@@ -398,7 +398,7 @@ class TestBrokerCut:
         assert broker_cut(limit) == pytest.approx(cut)
 
     def test_configured_timeout_cuts_before_handler_timeout(self) -> None:
-        from reliable_mq._dispatch import _deadline
+        from reliable_mq._consume.dispatch import _deadline
 
         session = _timed_session(consumer_timeout=4.0, handler_timeout=30.0)
         cut = session.shared.broker_cut

@@ -1,4 +1,4 @@
-"""The settle decision and the copy ladder as tables (reliable_mq._settle), and the copies built.
+"""The settle decision and the copy ladder as tables (reliable_mq._consume.settle), and the copies built.
 
 Pure logic, no broker: every (policy, outcome) pair, every (rung, fault) pair,
 every publish error class. The consumer's real-broker tests
@@ -15,8 +15,9 @@ import pytest
 from pamqp.commands import Basic
 from prometheus_client import CollectorRegistry
 
-from reliable_mq._copies import COPIED_PROPERTIES, build_copy, copy_properties
-from reliable_mq._settle import (
+from reliable_mq._amqp.wire import encode_headers
+from reliable_mq._consume.copies import COPIED_PROPERTIES, build_copy, copy_properties
+from reliable_mq._consume.settle import (
     Cause,
     CopyFault,
     Decision,
@@ -26,7 +27,6 @@ from reliable_mq._settle import (
     decide,
     next_rung,
 )
-from reliable_mq._wire import encode_headers
 from reliable_mq.delivery import Delivery, Settle
 from reliable_mq.errors import (
     ClosedError,
@@ -492,7 +492,7 @@ class _Channel:
 def _session(policy: AckPolicy = R) -> tuple[Any, _Channel]:
     from types import SimpleNamespace
 
-    from reliable_mq._session import Session, Shared
+    from reliable_mq._consume.session import Session, Shared
     from reliable_mq.metrics import Metrics
     from reliable_mq.settings import ConsumerSettings
 
@@ -588,7 +588,7 @@ class TestApply:
 
 
 def _route(**settings: Any) -> Any:
-    from reliable_mq._route import Route
+    from reliable_mq._consume.route import Route
     from reliable_mq.consumer import ReliableConsumer
     from reliable_mq.metrics import Metrics
     from reliable_mq.settings import ConsumerSettings
@@ -654,7 +654,7 @@ class TestRequeueLaterHolds:
 
     def test_the_memory_is_bounded(self) -> None:
         """Only the most recently held HELD_MESSAGES are remembered."""
-        from reliable_mq._route import HELD_MESSAGES
+        from reliable_mq._consume.route import HELD_MESSAGES
 
         route = _route(fallback_delay=1.0)
         route.next_requeue_delay(_held("first"))

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, SecretStr, field_validator
 
 from reliable_mq import ConnectionSettings, ReliablePublisher
-from reliable_mq._threads import FALLBACK_SIZE, HandlerThreads, pool_size
+from reliable_mq._consume.threads import FALLBACK_SIZE, HandlerThreads, pool_size
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery
 from reliable_mq.errors import ClosedError

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from reliable_mq._window import Window
+from reliable_mq._publish.window import Window
 
 
 class TestWindow:

@@ -18,10 +18,8 @@ from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 from pydantic import BaseModel
 
-from reliable_mq._codec import encode_body
-from reliable_mq._confirms import ConfirmTracker
-from reliable_mq._inbound import decode_frame
-from reliable_mq._wire import (
+from reliable_mq._amqp.inbound import decode_frame
+from reliable_mq._amqp.wire import (
     MAX_EXPIRATION_MS,
     Encoded,
     check_timeout,
@@ -31,6 +29,8 @@ from reliable_mq._wire import (
     expiration_ms,
     publish_frames,
 )
+from reliable_mq._codec import encode_body
+from reliable_mq._publish.confirms import ConfirmTracker
 from reliable_mq.errors import InvalidBody, InvalidMessage
 
 

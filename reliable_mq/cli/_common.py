@@ -23,8 +23,8 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMe
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from .._amqp_faults import AMQP_ERRORS, FaultKind, classify
-from .._inbound import take_frames
+from .._amqp.faults import AMQP_ERRORS, FaultKind, classify
+from .._amqp.inbound import take_frames
 from ..connection import ConnectionSupervisor
 from ..metrics import Metrics
 from ..settings import ConnectionSettings, PublisherSettings, redact_credentials

@@ -13,7 +13,7 @@ message that fails again at once cannot make ``move --all`` loop.
 the DLQ only once the broker has confirmed the copy: a crash in between leaves
 a duplicate (same ``message_id``), never a loss. The copy is the message: its
 body and every property as the consumer's own copies keep them (see
-`reliable_mq._copies`), read from the frames as they came.
+`reliable_mq._consume.copies`), read from the frames as they came.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from aio_pika.abc import (
 from pamqp.commands import Basic
 from prometheus_client import CollectorRegistry
 
-from .._copies import copy_properties
+from .._consume.copies import copy_properties
 from ..errors import InvalidMessage, PublishError
 from ..headers import (
     ATTEMPT_HEADER,

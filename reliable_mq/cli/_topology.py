@@ -13,7 +13,7 @@ import contextlib
 
 from aio_pika.abc import AbstractConnection
 
-from .._amqp_faults import AMQP_ERRORS
+from .._amqp.faults import AMQP_ERRORS
 from ..errors import ConsumerError
 from ..settings import ConsumerSettings
 from ..topology import QueueCheck, QueueTopology, QueueType, prepare_topology

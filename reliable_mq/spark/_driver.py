@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from .._amqp_faults import AMQP_ERRORS, FaultKind, classify
+from .._amqp.faults import AMQP_ERRORS, FaultKind, classify
 from .._sync import run_sync
 from ..connection import ConnectionSupervisor
 from ..log import get_logger

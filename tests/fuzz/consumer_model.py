@@ -1,7 +1,7 @@
 """The reference model of the consumer fuzz tier: what should become of one message.
 
 Written from the documented semantics (``docs/failure-semantics.md``, the
-``AckPolicy`` and ``Delivery`` docstrings), not from ``reliable_mq._settle``, so
+``AckPolicy`` and ``Delivery`` docstrings), not from ``reliable_mq._consume.settle``, so
 the fuzz checks the library against what it promises. Pure: no I/O.
 
 A message's handler behaviour is a *script*: one `Action` per attempt (the

@@ -67,7 +67,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from reliable_mq import ConnectionSettings, PublisherSettings
-from reliable_mq._inbound import take_frames
+from reliable_mq._amqp.inbound import take_frames
 from reliable_mq.consumer import ConsumerStats, ReliableConsumer
 from reliable_mq.handlers import AckPolicy
 from reliable_mq.headers import (

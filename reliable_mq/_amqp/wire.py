@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-from .errors import InvalidMessage
+from ..errors import InvalidMessage
 
 __all__ = (
     "FRAME_OVERHEAD",

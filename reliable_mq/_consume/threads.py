@@ -1,6 +1,6 @@
 """Plain ``def`` handlers: a bounded pool of daemon threads, and its bridge to the event loop.
 
-A consumer runs a plain ``def`` handler through [`HandlerThreads`][reliable_mq._threads.HandlerThreads],
+A consumer runs a plain ``def`` handler through [`HandlerThreads`][reliable_mq._consume.threads.HandlerThreads],
 one pool per queue, sized like the queue's handler limit (``concurrency``, else
 ``prefetch``). Everything around the call stays on the event loop: the body is
 decoded before the hand-over, and the outcome (return, raise, timeout, shutdown)
@@ -35,10 +35,10 @@ from typing import Any, NoReturn
 
 import structlog
 
-from .delivery import Delivery
-from .errors import ClosedError
-from .handlers import SyncHandlerFunc
-from .log import get_logger
+from ..delivery import Delivery
+from ..errors import ClosedError
+from ..handlers import SyncHandlerFunc
+from ..log import get_logger
 
 __all__ = ("HandlerThreads", "JobState", "pool_size")
 

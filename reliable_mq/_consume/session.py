@@ -4,10 +4,10 @@ A `Session` lives as long as one channel of one consumed queue. Every delivery
 gets a `Ticket` (its settle state, and the `Settler` its `Delivery` calls), and
 every settle, whoever asks for it (the consumer after the handler, the handler
 through ``delivery.ack()``, a shutdown, a dead channel), goes through
-`Session.apply`: it takes the one pure decision (`reliable_mq._settle.decide`),
+`Session.apply`: it takes the one pure decision (`reliable_mq._consume.settle.decide`),
 reserves the ticket so that nothing settles it twice, completes or releases its
 dedup claim, and writes the frame (or publishes the copy first, walking the
-fallback ladder of `reliable_mq._settle.next_rung` when the copy cannot be
+fallback ladder of `reliable_mq._consume.settle.next_rung` when the copy cannot be
 published). Once the channel is gone (`Session.dead`) settles are dropped and
 counted as stale: the broker has already requeued those deliveries and their
 tags mean nothing on any other channel.
@@ -23,12 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 from aiormq import Channel
 
-from ._acks import TagState
-from ._amqp_faults import Fault, FaultKind, classify, consumer_timeout_of
-from ._copies import Copy, build_copy
-from ._dedup_gate import Claim
-from ._frames import Frames, Shared, broker_cut
-from ._settle import (
+from .._amqp.faults import Fault, FaultKind, classify, consumer_timeout_of
+from ..delivery import Delivery, Settle
+from ..errors import ClosedError
+from ..handlers import Reject, Retry
+from ..headers import ERROR_MESSAGE_HEADER
+from ..log import get_logger
+from .acks import TagState
+from .copies import Copy, build_copy
+from .dedup_gate import Claim
+from .frames import Frames, Shared, broker_cut
+from .settle import (
     UNPUBLISHABLE_COPY,
     Cause,
     CopyFault,
@@ -39,14 +44,9 @@ from ._settle import (
     decide,
     next_rung,
 )
-from .delivery import Delivery, Settle
-from .errors import ClosedError
-from .handlers import Reject, Retry
-from .headers import ERROR_MESSAGE_HEADER
-from .log import get_logger
 
 if TYPE_CHECKING:
-    from ._route import Route
+    from .route import Route
 
 __all__ = (
     "Session",

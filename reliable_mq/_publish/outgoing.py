@@ -8,15 +8,15 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ._codec import encode_body
-from ._wire import FRAME_OVERHEAD, Encoded, check_timeout, encode_properties, encode_publish
-from .errors import InvalidBody, InvalidMessage, MessageTooLarge, ReliableMQError
-from .message import MessageOptions
-from .settings import PublisherSettings
+from .._amqp.wire import FRAME_OVERHEAD, Encoded, check_timeout, encode_properties, encode_publish
+from .._codec import encode_body
+from ..errors import InvalidBody, InvalidMessage, MessageTooLarge, ReliableMQError
+from ..message import MessageOptions
+from ..settings import PublisherSettings
 
 if TYPE_CHECKING:
-    from ._batch import Batch
-    from .metrics import ExchangeMetrics
+    from ..metrics import ExchangeMetrics
+    from .batch import Batch
 
 __all__ = ("MessageOptions", "Outgoing", "Preparer", "RetryReason")
 
@@ -234,8 +234,8 @@ class Preparer:
         """Encode a copy of a received message: ``properties`` exactly as given.
 
         ``properties`` are the keyword arguments of
-        [`encode_properties`][reliable_mq._wire.encode_properties] but ``headers``
-        (None leaves a property out; see `reliable_mq._copies.copy_properties`).
+        [`encode_properties`][reliable_mq._amqp.wire.encode_properties] but ``headers``
+        (None leaves a property out; see `reliable_mq._consume.copies.copy_properties`).
         Sent to the default exchange, mandatory. A copy needs a message id on the
         wire (a ``basic.return`` is matched by it): one is generated when
         ``properties`` has none, or an empty one.

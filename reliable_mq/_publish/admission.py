@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from ._outgoing import Outgoing
-from ._publish_errors import exchange_error
-from .errors import ClosedError
+from ..errors import ClosedError
+from .errors import exchange_error
+from .outgoing import Outgoing
 
 if TYPE_CHECKING:
-    from ._engine import Engine
+    from .engine import Engine
 
 __all__ = ("Aborted", "Unavailable", "wait_for_admission")
 

@@ -7,8 +7,8 @@ import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from typing import Any
 
-from .errors import PublishBatchError, ReliableMQError
-from .outcomes import BatchFailure, BatchResult
+from ..errors import PublishBatchError, ReliableMQError
+from ..outcomes import BatchFailure, BatchResult
 
 __all__ = ("Batch", "run_batch")
 

@@ -16,21 +16,21 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from aiormq import Channel
 
-from ._amqp_faults import AMQP_ERRORS, classify
-from ._dedup_gate import DedupGate
-from ._inbound import OnDelivery, take_deliveries, take_frames
-from ._session import Session, Shared
-from ._threads import HandlerThreads
-from .connection import ConnectionSupervisor
-from .errors import ClosedError, ConsumerError
-from .handlers import AsyncHandlerFunc, HandlerSpec
-from .log import get_logger
-from .metrics import QueueMetrics
-from .settings import ConnectionSettings, ConsumerSettings
-from .topology import QueueTopology, QueueType, prepare_topology
+from .._amqp.faults import AMQP_ERRORS, classify
+from .._amqp.inbound import OnDelivery, take_deliveries, take_frames
+from ..connection import ConnectionSupervisor
+from ..errors import ClosedError, ConsumerError
+from ..handlers import AsyncHandlerFunc, HandlerSpec
+from ..log import get_logger
+from ..metrics import QueueMetrics
+from ..settings import ConnectionSettings, ConsumerSettings
+from ..topology import QueueTopology, QueueType, prepare_topology
+from .dedup_gate import DedupGate
+from .session import Session, Shared
+from .threads import HandlerThreads
 
 if TYPE_CHECKING:
-    from .delivery import Delivery
+    from ..delivery import Delivery
 
 __all__ = ("ChannelKeeper", "Intake", "Overran", "Route")
 
@@ -66,7 +66,7 @@ class Route:
     ) -> None:
         self.spec = spec
         # What the dispatcher calls: the async def, or the plain def through the
-        # route's thread pool (see reliable_mq._threads).
+        # route's thread pool (see reliable_mq._consume.threads).
         if spec.sync and threads is None:
             raise ValueError(f"the plain def handler of {spec.queue!r} needs handler threads")
         self.handler = cast(AsyncHandlerFunc, spec.func)

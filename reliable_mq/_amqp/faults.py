@@ -45,7 +45,7 @@ from aiormq.exceptions import (
 )
 from pamqp.exceptions import PAMQPException
 
-from .settings import redact_credentials
+from ..settings import redact_credentials
 
 __all__ = (
     "AMQP_ERRORS",
@@ -303,7 +303,7 @@ def reader_error(exc: BaseException) -> BaseException | None:
     """The error aiormq's frame reader raises for ``exc`` (None: raise ``exc`` itself).
 
     For a frame reader of ours that stands in for aiormq's on a connection
-    (`reliable_mq._inbound`): a socket read that failed, or bytes pamqp cannot
+    (`reliable_mq._amqp.inbound`): a socket read that failed, or bytes pamqp cannot
     decode, end the connection with the same error as aiormq's own reader.
     """
     match exc:

@@ -4,7 +4,7 @@ AMQP 0-9-1 timestamps (the ``timestamp`` property, ``T`` field values) are
 64-bit POSIX seconds. pamqp reads a value above 2**32 - 1 as milliseconds
 ("anything above the year 2106 is likely milliseconds"), so that
 ``datetime(2200, 1, 1)`` comes out as 1970-03-26 00:08:38.4, with no error.
-The consumer's decoder (`reliable_mq._inbound`) reads field tables with
+The consumer's decoder (`reliable_mq._amqp.inbound`) reads field tables with
 `read_table` instead: every other value as pamqp gives it (``x`` as a
 ``bytearray``, a long string that is not UTF-8 as ``bytes``, ``f`` as a float,
 ``D`` as a ``Decimal``...), a timestamp as `timestamp_of` its seconds, which

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from ._amqp_faults import Fault, FaultKind
-from ._outgoing import Outgoing
-from .errors import (
+from .._amqp.faults import Fault, FaultKind
+from ..errors import (
     ExchangeNotFound,
     PublishAborted,
     PublishError,
@@ -13,6 +12,7 @@ from .errors import (
     PublishTimeout,
     PublishUnavailable,
 )
+from .outgoing import Outgoing
 
 __all__ = (
     "aborted_error",

@@ -3,7 +3,7 @@
 The task `Dispatcher.intake` starts for each delivery turns whatever happens
 (a bad body, a dedup answer, the handler returning, raising anything,
 cancelling itself, timing out; a shutdown; a dead channel) into an
-[`Outcome`][reliable_mq._settle.Outcome] and hands it to the delivery's
+[`Outcome`][reliable_mq._consume.settle.Outcome] and hands it to the delivery's
 ticket, which settles it through `Session.apply`.
 No path leaves a delivery unsettled: every exception is caught and becomes an
 outcome, and a bug of ours is settled by the error path. ``KeyboardInterrupt``
@@ -33,7 +33,7 @@ and counts as a handler error.
 
 The common path is kept light, since it runs once per message: the channel
 hands a delivery over synchronously (`Dispatcher.intake`, see
-`reliable_mq._inbound`), which records it in tag order and starts its one
+`reliable_mq._amqp.inbound`), which records it in tag order and starts its one
 Task; causes that carry nothing but their outcome are shared constants; the
 decision for ``ACCEPTED`` is taken once per route, not per delivery (it does
 not depend on the attempt); counters are plain ints that the consumer adds to
@@ -53,15 +53,15 @@ from typing import Any
 
 from pamqp.commands import Basic
 
-from ._inbound import OnDelivery, Undecodable
-from ._route import Overran, Route
-from ._session import Session, Shared, Ticket, delivery_log
-from ._settle import Cause, Outcome, decide
-from .dedup.base import AlreadyProcessed, ClaimResult
-from .delivery import Delivery, Settle
-from .handlers import Reject, Retry
-from .headers import ATTEMPT_HEADER, DELIVERY_COUNT_HEADER, NO_CONTENT_TYPE_HEADER
-from .log import get_logger
+from .._amqp.inbound import OnDelivery, Undecodable
+from ..dedup.base import AlreadyProcessed, ClaimResult
+from ..delivery import Delivery, Settle
+from ..handlers import Reject, Retry
+from ..headers import ATTEMPT_HEADER, DELIVERY_COUNT_HEADER, NO_CONTENT_TYPE_HEADER
+from ..log import get_logger
+from .route import Overran, Route
+from .session import Session, Shared, Ticket, delivery_log
+from .settle import Cause, Outcome, decide
 
 __all__ = ("Dispatcher", "int_header")
 
@@ -142,7 +142,7 @@ class Dispatcher:
         """One delivery's task: process it, and settle it whatever happens.
 
         ``undecodable``: the delivery's properties or routing key did not decode
-        (`reliable_mq._inbound.Undecodable`); it is settled by that cause, and
+        (`reliable_mq._amqp.inbound.Undecodable`); it is settled by that cause, and
         no handler runs.
         """
         session, shared = ticket.session, self.shared

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from ._amqp_faults import Fault
-from ._outgoing import Outgoing
+from .._amqp.faults import Fault
+from .outgoing import Outgoing
 
 __all__ = ("Isolation",)
 

@@ -26,22 +26,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._admission import Aborted, Unavailable, wait_for_admission
-from ._amqp_faults import Fault, FaultKind
-from ._exchanges import ExchangeCache
-from ._isolation import Isolation
-from ._outgoing import Outgoing, Preparer, RetryReason
-from ._publish_errors import (
-    aborted_error,
-    exchange_error,
-    refused_error,
-    timeout_error,
-    unavailable_error,
-)
-from ._stream import Generation, StreamKeeper
-from ._window import Window
-from .connection import ConnectionSupervisor
-from .errors import (
+from .._amqp.faults import Fault, FaultKind
+from ..connection import ConnectionSupervisor
+from ..errors import (
     ClosedError,
     PublishAborted,
     PublishError,
@@ -50,8 +37,21 @@ from .errors import (
     PublishUnroutable,
     ReliableMQError,
 )
-from .outcomes import PublishResult
-from .settings import PublisherSettings
+from ..outcomes import PublishResult
+from ..settings import PublisherSettings
+from .admission import Aborted, Unavailable, wait_for_admission
+from .errors import (
+    aborted_error,
+    exchange_error,
+    refused_error,
+    timeout_error,
+    unavailable_error,
+)
+from .exchanges import ExchangeCache
+from .isolation import Isolation
+from .outgoing import Outgoing, Preparer, RetryReason
+from .stream import Generation, StreamKeeper
+from .window import Window
 
 __all__ = ("Engine",)
 

@@ -1,13 +1,13 @@
 """The settle decision, as pure functions: no I/O, no state, tested as tables.
 
-Every way a delivery can end is an [`Outcome`][reliable_mq._settle.Outcome]
+Every way a delivery can end is an [`Outcome`][reliable_mq._consume.settle.Outcome]
 (the handler returned, raised, timed out, the body did not decode, the id was
-done already, the consumer is shutting down...). [`decide`][reliable_mq._settle.decide]
+done already, the consumer is shutting down...). [`decide`][reliable_mq._consume.settle.decide]
 maps ``(policy, outcome, attempt)`` to one [`Settle`][reliable_mq.delivery.Settle],
 and ``Session.apply`` carries it out: the only place that writes a settle frame.
 
 When the copy a settle needs (retry, DLQ, deferral) cannot be published,
-[`next_rung`][reliable_mq._settle.next_rung] walks a ladder that always ends:
+[`next_rung`][reliable_mq._consume.settle.next_rung] walks a ladder that always ends:
 
 ```
 full copy ──invalid/refused──▶ trimmed copy ──fails──▶ broker dead-lettering ──▶ requeue later
@@ -23,8 +23,8 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .delivery import Settle
-from .errors import (
+from ..delivery import Settle
+from ..errors import (
     ClosedError,
     ExchangeNotFound,
     InvalidMessage,
@@ -35,8 +35,8 @@ from .errors import (
     PublishUnavailable,
     PublishUnroutable,
 )
-from .handlers import AckPolicy
-from .headers import DeadLetterReason
+from ..handlers import AckPolicy
+from ..headers import DeadLetterReason
 
 __all__ = (
     "UNPUBLISHABLE_COPY",

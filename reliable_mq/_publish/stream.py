@@ -32,13 +32,13 @@ import aiormq
 from aiormq.abc import ChannelFrame
 from pamqp.commands import Basic
 
-from ._amqp_faults import AMQP_ERRORS, Fault, classify, classify_close
-from ._closing import task_end
-from ._confirms import ConfirmTracker
-from ._outgoing import Outgoing
-from ._wire import publish_frames
-from .connection import ConnectionSupervisor
-from .errors import ClosedError
+from .._amqp.faults import AMQP_ERRORS, Fault, classify, classify_close
+from .._amqp.wire import publish_frames
+from ..connection import ConnectionSupervisor
+from ..errors import ClosedError
+from .closing import task_end
+from .confirms import ConfirmTracker
+from .outgoing import Outgoing
 
 __all__ = ("Generation", "StreamEvents", "StreamKeeper", "close_quietly")
 

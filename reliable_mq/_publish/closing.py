@@ -20,7 +20,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._engine import Engine
+    from .engine import Engine
 
 __all__ = ("Closing",)
 

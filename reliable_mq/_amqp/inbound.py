@@ -6,7 +6,7 @@ that channel's reader task, which calls ``Channel._on_deliver_frame`` for every
 ``basic.deliver``. A delivery is three frames (method, content header, body),
 and most of a consumer's CPU went into aiormq's generic handling of them. On
 the consumer's own connection and channels, and only there, we replace two
-pieces, the way `reliable_mq._stream` replaces the publisher's confirm, return
+pieces, the way `reliable_mq._publish.stream` replaces the publisher's confirm, return
 and close handlers on its own channel:
 
 * **Frame decoding** (`take_frames`): the connection's ``FrameReceiver`` reads
@@ -17,7 +17,7 @@ and close handlers on its own channel:
   with one flag word, a body) directly into the same pamqp objects, with one
   difference: timestamps (the property and ``T`` header values) are 64-bit
   POSIX seconds, as AMQP 0-9-1 defines them, where pamqp reads any value above
-  2**32 - 1 as milliseconds (`reliable_mq._fields`); every
+  2**32 - 1 as milliseconds (`reliable_mq._amqp.fields`); every
   other frame (and anything our decoder does not take) goes through pamqp as
   before, and read and decode errors are raised as aiormq raises them. Frames
   are still handed to aiormq's reader loop one by one, so channel 0, RPC
@@ -53,7 +53,7 @@ Everything else stays aiormq's: the socket, heartbeats, RPCs, ``basic.qos``,
 ``basic.consume``/``basic.cancel``, settle frames, the close handshakes. Since
 our delivery tasks are not in aiormq's future store, aiormq no longer cancels
 them when the channel closes: the consumer does (see
-`reliable_mq._route.ChannelKeeper`).
+`reliable_mq._consume.route.ChannelKeeper`).
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ from pamqp.body import ContentBody
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
-from ._amqp_faults import reader_error
-from ._fields import A_ARRAY, F_TABLE, T_TIMESTAMP, read_scalar, read_table, timestamp_of
+from .faults import reader_error
+from .fields import A_ARRAY, F_TABLE, T_TIMESTAMP, read_scalar, read_table, timestamp_of
 
 __all__ = (
     "OnDelivery",

@@ -22,9 +22,9 @@ from typing import Any
 
 import aiormq
 
-from ._amqp_faults import AMQP_ERRORS, Fault, FaultKind, classify
-from .connection import ConnectionSupervisor
-from .errors import ClosedError
+from .._amqp.faults import AMQP_ERRORS, Fault, FaultKind, classify
+from ..connection import ConnectionSupervisor
+from ..errors import ClosedError
 
 __all__ = ("MISSING_TTL", "REFUSAL_TTL", "ExchangeCache")
 

@@ -2,7 +2,7 @@
 
 One `DedupGate` per consumed queue wraps that queue's
 [`DedupStore`][reliable_mq.dedup.DedupStore]. A successful claim returns a
-[`Claim`][reliable_mq._dedup_gate.Claim] token; the consumer keeps it with the
+[`Claim`][reliable_mq._consume.dedup_gate.Claim] token; the consumer keeps it with the
 delivery's settle state and hands it back to `complete` or `release`. The gate
 never raises a store's error to the consumer (whatever the store raises); it
 answers in a way that fails safe instead:
@@ -27,10 +27,10 @@ import time
 from collections.abc import Coroutine
 from typing import Any, NamedTuple
 
-from .dedup.base import ClaimResult, DedupStore
-from .dedup.memory import MemoryDedupStore
-from .log import get_logger
-from .metrics import QueueMetrics
+from ..dedup.base import ClaimResult, DedupStore
+from ..dedup.memory import MemoryDedupStore
+from ..log import get_logger
+from ..metrics import QueueMetrics
 
 __all__ = ("Claim", "DedupGate")
 

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ._settle import Cause, Decision
-from .delivery import Delivery, Settle
-from .headers import (
+from ..delivery import Delivery, Settle
+from ..headers import (
     ATTEMPT_HEADER,
     ATTEMPTS_HEADER,
     DEAD_LETTERED_AT_HEADER,
@@ -47,7 +46,8 @@ from .headers import (
     REASON_HEADER,
     WIRE_CONTRACT,
 )
-from .topology import QueueTopology
+from ..topology import QueueTopology
+from .settle import Cause, Decision
 
 __all__ = ("COPIED_PROPERTIES", "Copy", "build_copy", "copy_properties", "text_of", "truncate")
 

@@ -1,6 +1,6 @@
 """Settle frames of one consumer channel, in the order they were decided.
 
-`Frames` owns the channel's [`AckTracker`][reliable_mq._acks.AckTracker] and a
+`Frames` owns the channel's [`AckTracker`][reliable_mq._consume.acks.AckTracker] and a
 lock: the tracker's state changes under the same lock as the frame is written,
 so a batched ``basic.ack(multiple=true)`` never overtakes a single settle of a
 tag it covers (the broker would close the channel: ``PRECONDITION_FAILED -
@@ -18,11 +18,11 @@ from typing import Any
 
 from aiormq import Channel
 
-from ._acks import AckTracker
-from ._amqp_faults import AMQP_ERRORS
-from .metrics import QueueMetrics
-from .publisher import ReliablePublisher
-from .settings import ConsumerSettings
+from .._amqp.faults import AMQP_ERRORS
+from ..metrics import QueueMetrics
+from ..publisher import ReliablePublisher
+from ..settings import ConsumerSettings
+from .acks import AckTracker
 
 __all__ = ("FrameKind", "Frames", "Shared", "broker_cut")
 
@@ -100,7 +100,7 @@ class Shared:
     def set_consumer_timeout(self, seconds: float | None) -> None:
         """The broker's ``consumer_timeout``: configured, or named by the broker when it
         closed a channel for it. Handlers are cut `broker_cut` after their delivery
-        arrived (see `reliable_mq._dispatch`)."""
+        arrived (see `reliable_mq._consume.dispatch`)."""
         self.consumer_timeout = seconds
         self.broker_cut = None if seconds is None else broker_cut(seconds)
 

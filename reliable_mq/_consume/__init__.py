@@ -1,0 +1,1 @@
+"""_consume: internal package."""

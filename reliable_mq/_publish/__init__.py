@@ -1,0 +1,1 @@
+"""_publish: internal package."""
