@@ -33,6 +33,7 @@ from reliable_mq import (
     PublishRefused,
     PublishResult,
     PublishUnavailable,
+    PublishUnroutable,
     ReliablePublisher,
     _exchanges,
 )
@@ -286,10 +287,21 @@ class TestMissingExchange:
             assert publisher._supervisor.generation == 1
         delivered = {m.message_id for m in await drain_queue(broker_url, queue)}
         kinds = {type(o).__name__ for o in outcomes.values()}
-        assert kinds <= {"PublishResult", "ExchangeNotFound", "PublishOutcomeUnknown"}, kinds
+        # PublishUnroutable is the truth for a message the broker routed while the
+        # deletion had removed the exchange's bindings but not yet the exchange
+        # (seen once in CI, 3.10.8): it came back in a basic.return, so it is in no queue.
+        allowed = {
+            "PublishResult",
+            "ExchangeNotFound",
+            "PublishOutcomeUnknown",
+            "PublishUnroutable",
+        }
+        assert kinds <= allowed, kinds
         not_found = {k for k, o in outcomes.items() if isinstance(o, ExchangeNotFound)}
         assert not_found, "the deletion came too late to test anything"
         assert not (not_found & delivered), "a delivered message was reported ExchangeNotFound"
+        returned = {k for k, o in outcomes.items() if isinstance(o, PublishUnroutable)}
+        assert not (returned & delivered), "a delivered message was reported PublishUnroutable"
         confirmed = {k for k, o in outcomes.items() if isinstance(o, PublishResult)}
         assert confirmed <= delivered
 
