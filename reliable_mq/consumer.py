@@ -246,22 +246,28 @@ class ReliableConsumer(Router):
         super()._add_spec(spec)
 
     def stats(self) -> ConsumerStats:
+        """What every queue's metrics counted so far (the numbers Prometheus shows), summed."""
         shared = self._shared
+        counts = [route.metrics for route in self._routes.values()]
+
+        def total(name: str) -> int:
+            return sum(getattr(metrics, name) for metrics in counts)
+
         return ConsumerStats(
-            delivered=shared.delivered,
-            acked=shared.acked,
-            retried=shared.retried,
-            dead_lettered=shared.dead_lettered,
-            requeued=shared.requeued,
-            stale=shared.stale,
-            ack_frames=shared.ack_frames,
+            delivered=total("delivered"),
+            acked=total("acked"),
+            retried=total("retried"),
+            dead_lettered=total("dead_lettered"),
+            requeued=total("requeued"),
+            stale=total("stale"),
+            ack_frames=total("ack_frames"),
             in_progress=shared.active,
             max_in_progress=shared.max_active,
             channel_reopens=self._keeper.reopens,
-            duplicates=shared.duplicates,
-            deferred=shared.deferred,
-            rejected=shared.rejected,
-            fallbacks=shared.fallbacks,
+            duplicates=total("duplicate"),
+            deferred=total("deferred"),
+            rejected=total("rejected"),
+            fallbacks=total("fallback_count"),
             threads_busy=sum(threads.busy for threads in self._threads.values()),
         )
 
@@ -322,7 +328,7 @@ class ReliableConsumer(Router):
         self._check_consumer_timeout()
         for spec in self.handlers:
             store = self.dedup_store(spec.queue)
-            metrics = self._metrics.for_queue(spec.queue)
+            metrics = self._metrics.for_queue(spec.queue, owner=self)
             gate = None
             if store is not None:
                 gate = DedupGate(

@@ -102,8 +102,8 @@ class Dispatcher:
         the channel is closed, so the broker requeues what it delivered on it.
         """
         loop = asyncio.get_running_loop()
-        shared = self.shared
         deliver = self._deliver
+        metrics = route.metrics
         # Whether the policy settles a delivery before its handler runs: decided
         # once (ACCEPTED does not depend on the attempt).
         acks_first = (
@@ -120,9 +120,9 @@ class Dispatcher:
             try:
                 ticket = session.admit(frame.delivery_tag or 0, None)
                 delivery = ticket.delivery = _delivery(route, frame, properties, body, ticket)
-                shared.delivered += 1
+                metrics.delivered += 1
                 if delivery.redelivered:
-                    route.metrics.redeliveries.inc()
+                    metrics.redelivered += 1
                 if undecodable is None:
                     ticket.task = loop.create_task(deliver(route, ticket, acks_first))
                 else:
