@@ -30,7 +30,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
