@@ -152,6 +152,10 @@ class ReliableConsumer(Router):
             owned and closed by this consumer; a
             [`DedupStore`][reliable_mq.dedup.DedupStore] (shared, e.g. Redis; the
             caller closes it); or ``None``: no de-duplication.
+        on_channel_lost: called (on the event loop) with the queue's name each time
+            one of the consumer's channels is lost while it consumes: the
+            deliveries unsettled on it go back to the queue, and the consumer
+            opens a new channel. Not called when the consumer stops.
 
     Raises:
         InvalidSettings: an override is invalid.
@@ -166,6 +170,7 @@ class ReliableConsumer(Router):
         registry: CollectorRegistry | None = None,
         metrics_prefix: str = "reliable_mq",
         dedup: DedupStore | Literal["memory"] | None = "memory",
+        on_channel_lost: Callable[[str], None] | None = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
@@ -195,6 +200,7 @@ class ReliableConsumer(Router):
         self._in_run = False
         self._exit_task: asyncio.Task[None] | None = None
         self._shared.on_exit = self._on_handler_exit
+        self._shared.on_channel_lost = on_channel_lost
         if dedup == "memory":
             self._dedup: DedupStore | None = MemoryDedupStore(
                 max_entries=self.settings.dedup_max_entries,
@@ -235,6 +241,8 @@ class ReliableConsumer(Router):
         spec = next((s for s in self.handlers if s.queue == queue), None)
         if spec is None:
             raise KeyError(queue)
+        if spec.queue_only:
+            return None
         return self._dedup if spec.dedup is USE_CONSUMER_DEDUP else spec.dedup
 
     def _uses_dedup(self) -> bool:
@@ -349,13 +357,14 @@ class ReliableConsumer(Router):
                 threads=threads,
             )
         try:
-            self._shared.publisher = ReliablePublisher(
-                self._connection_settings,
-                settings=self._publisher_settings,
-                registry=self._registry,
-                metrics_prefix=self._metrics_prefix,
-            )
-            await self._shared.publisher.start()
+            if not all(spec.queue_only for spec in self.handlers):  # copies may be needed
+                self._shared.publisher = ReliablePublisher(
+                    self._connection_settings,
+                    settings=self._publisher_settings,
+                    registry=self._registry,
+                    metrics_prefix=self._metrics_prefix,
+                )
+                await self._shared.publisher.start()
             await self._supervisor.start()
             loop = asyncio.get_running_loop()
             for route in self._routes.values():

@@ -213,6 +213,8 @@ class Dispatcher:
     async def _run(self, route: Route, ticket: Ticket, acks_first: bool) -> Cause | None:
         """Everything up to the handler's end, as a cause (None: settled already)."""
         delivery, spec, settings = ticket.delivery, route.spec, self.settings
+        if spec.queue_only:  # as it came: the handler settles every delivery itself
+            return await self._call(route, ticket, None)
         if route.has_overran:
             overran = route.take_overran(delivery)
             if overran is not None:  # the broker's redelivery of a run it cut off

@@ -68,6 +68,7 @@ class Shared:
         "exit_error",
         "idle",
         "max_active",
+        "on_channel_lost",
         "on_exit",
         "publisher",
         "settings",
@@ -82,6 +83,8 @@ class Shared:
         self.idle: asyncio.Event | None = None
         self.exit_error: BaseException | None = None
         self.on_exit: Callable[[BaseException], None] | None = None
+        self.on_channel_lost: Callable[[str], None] | None = None
+        """Called with the queue's name when one of its channels is lost while consuming."""
         self.consumer_timeout: float | None = None
         self.broker_cut: float | None = None
         self.set_consumer_timeout(settings.consumer_timeout)

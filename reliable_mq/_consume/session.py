@@ -235,6 +235,12 @@ class Session(Frames):
         fault = classify(error) if error is not None else None
         if fault is not None and fault.kind is FaultKind.CONSUMER_TIMEOUT:
             self.consumer_timed_out(fault)
+        shared = self.shared
+        if not shared.stopping and shared.on_channel_lost is not None:
+            try:
+                shared.on_channel_lost(self.route.spec.queue)
+            except Exception as exc:  # the caller's hook: it must not stop the cancels below
+                self.route.log.error("on_channel_lost_failed", error=repr(exc))
         for ticket in list(self.inflight.values()):
             task = ticket.task
             if task is None or task.done():
