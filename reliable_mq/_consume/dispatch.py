@@ -104,6 +104,9 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deliver = self._deliver
         metrics = route.metrics
+        # A queue consumed alone gets every delivery as it came, strings that did
+        # not decode kept escaped: its handler settles it, nothing is dead-lettered.
+        as_it_came = route.spec.queue_only
         # Whether the policy settles a delivery before its handler runs: decided
         # once (ACCEPTED does not depend on the attempt).
         acks_first = (
@@ -123,7 +126,7 @@ class Dispatcher:
                 metrics.delivered += 1
                 if delivery.redelivered:
                     metrics.redelivered += 1
-                if undecodable is None:
+                if undecodable is None or as_it_came:
                     ticket.task = loop.create_task(deliver(route, ticket, acks_first))
                 else:
                     cause = Cause(Outcome.UNDECODABLE, undecodable.error, undecodable.describe())
