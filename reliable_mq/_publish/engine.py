@@ -47,6 +47,7 @@ from .errors import (
     unavailable_error,
 )
 from .isolation import Isolation
+from .ledger import Ledger
 from .outgoing import Outgoing, Preparer, RetryReason
 from .ports import Exchanges, Link, SendChannel, StreamFactory
 from .window import Window
@@ -92,10 +93,8 @@ class Engine:
         self._preparer = preparer
         self._link = link
         self._log = log
-        self._on_idle = on_idle
-        self._window = Window(settings.max_in_flight)
-        self._by_id: dict[str, Outgoing] = {}
-        """Every admitted message until it is final and off every channel."""
+        self._ledger = Ledger(settings.max_in_flight, on_idle)
+        self._window = self._ledger.window
         self._backlog: deque[Outgoing] = deque()
         self._isolation: Isolation | None = None
         self._closed = False
@@ -104,15 +103,6 @@ class Engine:
         """Why `abort` was called, for the errors (empty: ``close()`` gave up)."""
         self._unavailable = False
         self._down_since: float | None = None
-        self._outstanding = 0
-        """Admitted messages whose caller does not have the outcome yet."""
-        self._waiting = 0
-        """Callers between hand-over and admission (a window slot, their id, their exchange)."""
-        self._batches = 0
-        """``publish_many()`` calls running (their input was handed over as a whole)."""
-        self._idle = asyncio.Event()
-        """Set while no caller waits for an outcome: nothing outstanding, nobody waiting."""
-        self._idle.set()
         self._exchanges = exchanges
         self._stream = stream(self, self._needed)
         self._diverted: dict[str, list[Outgoing]] = {}
@@ -120,7 +110,7 @@ class Engine:
         self._next_deadline = float("inf")
 
     def _needed(self) -> bool:
-        return not self._closed or bool(self._by_id) or bool(self._waiting or self._batches)
+        return not self._closed or self._ledger.busy
 
     # -- what others may ask ----------------------------------------------------------
 
@@ -132,7 +122,7 @@ class Engine:
     @property
     def pending(self) -> int:
         """Callers without an outcome: admitted and outstanding, or waiting for admission."""
-        return self._outstanding + self._waiting
+        return self._ledger.pending
 
     @property
     def in_flight(self) -> int:
@@ -162,15 +152,15 @@ class Engine:
     @property
     def idle(self) -> bool:
         """No caller waits for an outcome."""
-        return self._idle.is_set()
+        return self._ledger.idle
 
     async def wait_idle(self) -> None:
         """Return once no caller waits for an outcome."""
-        await self._idle.wait()
+        await self._ledger.wait_idle()
 
     def holder(self, message_id: str) -> Outgoing | None:
         """The admitted message that owns ``message_id`` now, if any."""
-        return self._by_id.get(message_id)
+        return self._ledger.holder(message_id)
 
     def exchange_known(self, exchange: str) -> bool:
         """``exchange`` is known to exist (no probe needed)."""
@@ -203,23 +193,17 @@ class Engine:
 
     def hold(self) -> None:
         """A caller waits for admission: the engine is not idle until `unhold`."""
-        self._waiting += 1
-        self._idle.clear()
+        self._ledger.hold()
 
     def unhold(self) -> None:
-        self._waiting -= 1
-        if not self._waiting and not self._outstanding:
-            self._went_idle()
+        self._ledger.unhold()
 
     def begin_batch(self) -> None:
         """A ``publish_many()`` runs: the engine is not idle until `end_batch`."""
-        self._batches += 1
-        self._idle.clear()
+        self._ledger.begin_batch()
 
     def end_batch(self) -> None:
-        self._batches -= 1
-        if not self._batches and not self._outstanding:
-            self._went_idle()
+        self._ledger.end_batch()
 
     # -- admission ------------------------------------------------------------------
 
@@ -227,7 +211,7 @@ class Engine:
         """Admit and send ``out`` without waiting, if nothing stands in the way."""
         if (
             self._unavailable
-            or out.message_id in self._by_id
+            or self._ledger.holder(out.message_id) is not None
             or out.exchange not in self._exchanges.known
             or not self._window.try_acquire()
         ):
@@ -266,14 +250,11 @@ class Engine:
 
     def owns(self, out: Outgoing) -> bool:
         """``out`` was admitted: the engine gives its caller the outcome."""
-        return out.finished or self._by_id.get(out.message_id) is out
+        return out.finished or self._ledger.holder(out.message_id) is out
 
     def _admitted(self, out: Outgoing) -> None:
         """``out`` holds its slot and its id: count it, and send it or queue it."""
-        self._by_id[out.message_id] = out
-        self._outstanding += 1
-        if self._outstanding == 1:
-            self._idle.clear()
+        self._ledger.admit(out)
         self._next_deadline = min(self._next_deadline, out.deadline)
         self._submit(out)
 
@@ -380,14 +361,14 @@ class Engine:
                 metrics.confirmed += 1
                 metrics.latency.observe(now - out.sent_at)
                 if out.finished:
-                    self._release(out)
+                    self._ledger.release(out)
                 else:
                     self._succeed(out, now)
         if self._isolation is not None:
             self._pump()
 
     def returned(self, generation: SendChannel, message_id: str, code: int, text: str) -> None:
-        out = self._by_id.get(message_id)
+        out = self._ledger.holder(message_id)
         if out is not None and out.generation == generation.number and out.tag:
             out.returned = (code, text)
 
@@ -398,7 +379,7 @@ class Engine:
         for out in items:
             out.tag = 0
             if out.finished:
-                self._release(out)
+                self._ledger.release(out)
             else:
                 live.append(out)
         if fault is not None and fault.refusal:
@@ -435,7 +416,7 @@ class Engine:
                 # it, even after a new leader is elected; a fresh channel works.
                 self._stream.replace(generation)
         if out.finished:
-            self._release(out)
+            self._ledger.release(out)
             return
         if self._counted_failure(out, "nacked by the broker"):
             return
@@ -458,7 +439,7 @@ class Engine:
     def _returned(self, out: Outgoing, now: float) -> None:
         out.metrics.returned += 1
         if out.finished:
-            self._release(out)
+            self._ledger.release(out)
             return
         assert out.returned is not None
         code, text = out.returned
@@ -551,7 +532,6 @@ class Engine:
 
     def _succeed(self, out: Outgoing, now: float) -> None:
         out.finished = True
-        self._outstanding -= 1
         batch = out.batch
         if batch is not None:
             batch.succeeded()
@@ -565,16 +545,14 @@ class Engine:
                     future.set_result(result)
             elif out.callback is not None:
                 out.callback(result, None)
-        self._release(out)
-        if not self._outstanding:
-            self._went_idle()
+        self._ledger.release(out)
+        self._ledger.resolved()
 
     def _fail(self, out: Outgoing, error: ReliableMQError) -> None:
         """Give ``out`` its final error (it stays in the window while still on a channel)."""
         if out.finished:
             return
         out.finished = True
-        self._outstanding -= 1
         out.metrics.failure(type(error).__name__)
         self._log.debug(
             "publish_failed",
@@ -594,26 +572,8 @@ class Engine:
         elif out.callback is not None:
             out.callback(None, error)
         if out.tag == 0:
-            self._release(out)
-        if not self._outstanding:
-            self._went_idle()
-
-    def _release(self, out: Outgoing) -> None:
-        if self._by_id.get(out.message_id) is out:
-            del self._by_id[out.message_id]
-            self._window.release()
-            followers = out.followers
-            if followers:
-                out.followers = None
-                for waiter in followers:
-                    if not waiter.done():
-                        waiter.set_result(None)
-
-    def _went_idle(self) -> None:
-        if self._waiting or self._batches:
-            return
-        self._idle.set()
-        self._on_idle()
+            self._ledger.release(out)
+        self._ledger.resolved()
 
     # -- errors ------------------------------------------------------------------------------
 
@@ -647,7 +607,7 @@ class Engine:
 
     def _expire_deadlines(self, now: float) -> None:
         earliest = float("inf")
-        for out in list(self._by_id.values()):
+        for out in self._ledger.admitted():
             if out.finished:
                 continue
             if out.deadline <= now:
@@ -678,10 +638,10 @@ class Engine:
         self._log.error(
             "broker_unavailable",
             seconds=self._settings.unavailable_timeout,
-            waiting=sum(1 for out in self._by_id.values() if not out.finished),
+            waiting=sum(1 for out in self._ledger.admitted() if not out.finished),
         )
         self._window.fail_waiters(Unavailable())
-        for out in list(self._by_id.values()):
+        for out in self._ledger.admitted():
             if not out.finished and out.tag == 0:
                 self._fail(out, self.unavailable_error(out))
 
@@ -697,12 +657,12 @@ class Engine:
             self._abort_reason = why
         self._aborting = True
         self._window.fail_waiters(Aborted())
-        for out in list(self._by_id.values()):
+        for out in self._ledger.admitted():
             if not out.finished:
                 self._fail(out, self.aborted_error(out))
-        for out in list(self._by_id.values()):
+        for out in self._ledger.admitted():
             out.tag = 0
-            self._release(out)
+            self._ledger.release(out)
         return count
 
 
