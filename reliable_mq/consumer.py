@@ -79,7 +79,7 @@ __all__ = (
 )
 
 _METRICS_INTERVAL = 0.5
-"""Seconds between two additions of the per-delivery counts to Prometheus."""
+"""Seconds between two flushes of the per-queue metrics (multiprocess mode only)."""
 _RABBITMQ_CONSUMER_TIMEOUT = 1800.0
 """RabbitMQ's default ``consumer_timeout`` (seconds), since 3.8.15."""
 
@@ -576,7 +576,8 @@ class ReliableConsumer(Router):
             route.metrics.flush()
 
     async def _housekeeping(self) -> None:
-        """Add the per-delivery counts to Prometheus every `_METRICS_INTERVAL`, and
+        """Flush the per-queue metrics every `_METRICS_INTERVAL` (multiprocess mode: to
+        prometheus_client's files; otherwise a scrape reads them live), and
         cancel handlers running past their deadline: ``handler_timeout``, or the cut
         before the broker's ``consumer_timeout`` (checked every tenth of the shorter)."""
         while True:
