@@ -30,7 +30,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
@@ -171,27 +170,23 @@ def _code(text: str, kind: str = "") -> str:
 
 
 def metrics_table() -> str:
-    """Every collector, as Prometheus exposes it."""
+    """Every metric, as Prometheus exposes it."""
     metrics_module = importlib.import_module("reliable_mq.metrics")
-    metrics = metrics_module.Metrics.on(CollectorRegistry())
+    metrics = metrics_module.Metrics.describe()
     rows = [
         "| Metric | Type | Labels | Meaning | `Metrics` field |",
         "|---|---|---|---|---|",
     ]
-    for field_name in metrics.__dataclass_fields__:
-        collector = getattr(metrics, field_name)
-        kind: str = collector._type
-        name: str = collector._name
+    for field_name, spec in metrics.specs().items():
+        kind: str = spec.kind.value
         exposed = {
-            "counter": _code(f"{name}_total", "metric"),
-            "histogram": _code(f"{name}_bucket", "metric")
+            "counter": _code(f"{spec.name}_total", "metric"),
+            "histogram": _code(f"{spec.name}_bucket", "metric")
             + " / `_sum` / `_count`",
-        }.get(kind, _code(name, "metric"))
-        labels = (
-            ", ".join(f"`{label}`" for label in collector._labelnames) or "—"
-        )
+        }.get(kind, _code(spec.name, "metric"))
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "—"
         rows.append(
-            f"| {exposed} | {kind} | {labels} | {_escape(collector._documentation)} | {_code(field_name)} |"
+            f"| {exposed} | {kind} | {labels} | {_escape(spec.documentation)} | {_code(field_name)} |"
         )
     return "\n".join(rows) + "\n"
 

@@ -1,5 +1,6 @@
 """reliable_mq: loss-proof RabbitMQ publishing and consuming over aio-pika."""
 
+from ._version import __version__
 from .consumer import ConsumerStats, ReliableConsumer
 from .delivery import Delivery
 from .errors import (
@@ -46,8 +47,6 @@ from .settings import (
 )
 from .sync import BlockingPublisher
 from .topology import QueueTopology, QueueType, declare_topology
-
-__version__ = "0.1.0"
 
 __all__ = (
     "AckPolicy",

@@ -7,7 +7,7 @@ Install section), never by the package's name.
 
 from __future__ import annotations
 
-from . import __version__
+from ._version import __version__
 
 __all__ = ("missing_extra",)
 

@@ -91,8 +91,7 @@ class ConnectionSupervisor:
     def __init__(self, settings: ConnectionSettings, *, role: str, metrics: Metrics) -> None:
         self._settings = settings
         self._name = f"{settings.connection_name}.{role}"
-        self._metrics_up = metrics.connection_up.labels(self._name)
-        self._metrics_recoveries = metrics.connection_recoveries.labels(self._name)
+        self._metrics = metrics.for_connection(self._name, owner=self)
         self._log = get_logger(__name__).bind(connection=self._name)
         self._state = ConnectionState.IDLE
         self._connection: AbstractConnection | None = None
@@ -201,7 +200,7 @@ class ConnectionSupervisor:
                     await connection.close()
             except _CLOSE_ERRORS:
                 self._log.debug("connection_close_error")
-        self._metrics_up.set(0)
+        self._metrics.set_up(False)
         self._log.debug("connection_closed")
 
     def _supervision_ended(self, task: asyncio.Task[None]) -> None:
@@ -260,7 +259,7 @@ class ConnectionSupervisor:
         self.generation += 1
         self.connected_at = asyncio.get_running_loop().time()
         self._state = ConnectionState.CONNECTED
-        self._metrics_up.set(1)
+        self._metrics.set_up(True)
         self._connected.set()
         self._log.debug(
             "connection_open", broker=self._current_address().redacted, generation=self.generation
@@ -296,7 +295,7 @@ class ConnectionSupervisor:
             self._connection = None
             self._state = ConnectionState.CONNECTING
             self._connected.clear()
-            self._metrics_up.set(0)
+            self._metrics.set_up(False)
             lived = asyncio.get_running_loop().time() - self.connected_at
             young = broker_closed and lived < _SHORT_LIFE
             self._short_lives = self._short_lives + 1 if young else 0
@@ -344,7 +343,7 @@ class ConnectionSupervisor:
             if self._closed():
                 await connection.close()
                 return
-            self._metrics_recoveries.inc()
+            self._metrics.recovered()
             self._set_connected(connection)
             self._log.info(
                 "connection_recovered", broker=self._current_address().redacted, attempt=attempt

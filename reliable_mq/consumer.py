@@ -79,7 +79,7 @@ __all__ = (
 )
 
 _METRICS_INTERVAL = 0.5
-"""Seconds between two additions of the per-delivery counts to Prometheus."""
+"""Seconds between two flushes of the per-queue metrics (multiprocess mode only)."""
 _RABBITMQ_CONSUMER_TIMEOUT = 1800.0
 """RabbitMQ's default ``consumer_timeout`` (seconds), since 3.8.15."""
 
@@ -152,6 +152,10 @@ class ReliableConsumer(Router):
             owned and closed by this consumer; a
             [`DedupStore`][reliable_mq.dedup.DedupStore] (shared, e.g. Redis; the
             caller closes it); or ``None``: no de-duplication.
+        on_channel_lost: called (on the event loop) with the queue's name each time
+            one of the consumer's channels is lost while it consumes: the
+            deliveries unsettled on it go back to the queue, and the consumer
+            opens a new channel. Not called when the consumer stops.
 
     Raises:
         InvalidSettings: an override is invalid.
@@ -166,6 +170,7 @@ class ReliableConsumer(Router):
         registry: CollectorRegistry | None = None,
         metrics_prefix: str = "reliable_mq",
         dedup: DedupStore | Literal["memory"] | None = "memory",
+        on_channel_lost: Callable[[str], None] | None = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
@@ -195,6 +200,7 @@ class ReliableConsumer(Router):
         self._in_run = False
         self._exit_task: asyncio.Task[None] | None = None
         self._shared.on_exit = self._on_handler_exit
+        self._shared.on_channel_lost = on_channel_lost
         if dedup == "memory":
             self._dedup: DedupStore | None = MemoryDedupStore(
                 max_entries=self.settings.dedup_max_entries,
@@ -235,6 +241,8 @@ class ReliableConsumer(Router):
         spec = next((s for s in self.handlers if s.queue == queue), None)
         if spec is None:
             raise KeyError(queue)
+        if spec.queue_only:
+            return None
         return self._dedup if spec.dedup is USE_CONSUMER_DEDUP else spec.dedup
 
     def _uses_dedup(self) -> bool:
@@ -246,22 +254,28 @@ class ReliableConsumer(Router):
         super()._add_spec(spec)
 
     def stats(self) -> ConsumerStats:
+        """What every queue's metrics counted so far (the numbers Prometheus shows), summed."""
         shared = self._shared
+        counts = [route.metrics for route in self._routes.values()]
+
+        def total(name: str) -> int:
+            return sum(getattr(metrics, name) for metrics in counts)
+
         return ConsumerStats(
-            delivered=shared.delivered,
-            acked=shared.acked,
-            retried=shared.retried,
-            dead_lettered=shared.dead_lettered,
-            requeued=shared.requeued,
-            stale=shared.stale,
-            ack_frames=shared.ack_frames,
+            delivered=total("delivered"),
+            acked=total("acked"),
+            retried=total("retried"),
+            dead_lettered=total("dead_lettered"),
+            requeued=total("requeued"),
+            stale=total("stale"),
+            ack_frames=total("ack_frames"),
             in_progress=shared.active,
             max_in_progress=shared.max_active,
             channel_reopens=self._keeper.reopens,
-            duplicates=shared.duplicates,
-            deferred=shared.deferred,
-            rejected=shared.rejected,
-            fallbacks=shared.fallbacks,
+            duplicates=total("duplicate"),
+            deferred=total("deferred"),
+            rejected=total("rejected"),
+            fallbacks=total("fallback_count"),
             threads_busy=sum(threads.busy for threads in self._threads.values()),
         )
 
@@ -322,7 +336,7 @@ class ReliableConsumer(Router):
         self._check_consumer_timeout()
         for spec in self.handlers:
             store = self.dedup_store(spec.queue)
-            metrics = self._metrics.for_queue(spec.queue)
+            metrics = self._metrics.for_queue(spec.queue, owner=self)
             gate = None
             if store is not None:
                 gate = DedupGate(
@@ -343,13 +357,14 @@ class ReliableConsumer(Router):
                 threads=threads,
             )
         try:
-            self._shared.publisher = ReliablePublisher(
-                self._connection_settings,
-                settings=self._publisher_settings,
-                registry=self._registry,
-                metrics_prefix=self._metrics_prefix,
-            )
-            await self._shared.publisher.start()
+            if not all(spec.queue_only for spec in self.handlers):  # copies may be needed
+                self._shared.publisher = ReliablePublisher(
+                    self._connection_settings,
+                    settings=self._publisher_settings,
+                    registry=self._registry,
+                    metrics_prefix=self._metrics_prefix,
+                )
+                await self._shared.publisher.start()
             await self._supervisor.start()
             loop = asyncio.get_running_loop()
             for route in self._routes.values():
@@ -561,7 +576,8 @@ class ReliableConsumer(Router):
             route.metrics.flush()
 
     async def _housekeeping(self) -> None:
-        """Add the per-delivery counts to Prometheus every `_METRICS_INTERVAL`, and
+        """Flush the per-queue metrics every `_METRICS_INTERVAL` (multiprocess mode: to
+        prometheus_client's files; otherwise a scrape reads them live), and
         cancel handlers running past their deadline: ``handler_timeout``, or the cut
         before the broker's ``consumer_timeout`` (checked every tenth of the shorter)."""
         while True:

@@ -237,6 +237,12 @@ class HandlerOptions(TypedDict, total=False):
         queue_arguments: extra ``x-`` arguments for the work queue declaration.
         dedup: this handler's de-duplication store, ``None`` for none, or
             `USE_CONSUMER_DEDUP` (default: the consumer's ``dedup``).
+        queue_only: consume the queue alone, as it is (default False): nothing is
+            declared, only the queue's existence is checked (no retry queues, no
+            DLQ), and every delivery reaches the handler as it came (no attempt
+            limit, no de-duplication, no deferral). Needs ``AckPolicy.MANUAL``:
+            the handler settles each delivery with ``ack()`` or ``nack()``. For
+            tools that read someone else's queue (``reliable-mq consume`` is one).
     """
 
     ack_policy: AckPolicy | str
@@ -244,6 +250,7 @@ class HandlerOptions(TypedDict, total=False):
     declare: bool
     queue_arguments: dict[str, Any] | None
     dedup: HandlerDedup
+    queue_only: bool
 
 
 @dataclass(frozen=True)
@@ -263,6 +270,7 @@ class HandlerSpec:
         dedup: this handler's de-duplication store, ``None`` for none, or
             `USE_CONSUMER_DEDUP` (the consumer's ``dedup``).
         sync: ``func`` is a plain ``def``: the consumer runs it in its thread pool.
+        queue_only: the queue is consumed alone, as it is (see `HandlerOptions`).
     """
 
     queue: str
@@ -275,6 +283,7 @@ class HandlerSpec:
     queue_arguments: dict[str, Any] = field(default_factory=dict)
     dedup: HandlerDedup = USE_CONSUMER_DEDUP
     sync: bool = False
+    queue_only: bool = False
 
     @property
     def queue_has_dlx(self) -> bool:
@@ -285,7 +294,7 @@ class HandlerSpec:
         drop the message), and a user-given one may route nowhere.
         """
         overridden = {"x-dead-letter-exchange", "x-dead-letter-routing-key"}
-        return self.declare and not overridden & self.queue_arguments.keys()
+        return self.declare and not self.queue_only and not overridden & self.queue_arguments.keys()
 
     @classmethod
     def build(cls, queue: str, func: HandlerFunc, **options: Unpack[HandlerOptions]) -> HandlerSpec:
@@ -298,6 +307,9 @@ class HandlerSpec:
         if not queue:
             raise ValueError("queue name must not be empty")
         ack_policy = AckPolicy(options.get("ack_policy", AckPolicy.RETRY_ON_ERROR))
+        queue_only = bool(options.get("queue_only", False))
+        if queue_only:
+            _check_queue_only(queue, ack_policy, options.get("dedup", USE_CONSUMER_DEDUP))
         sync = not inspect.iscoroutinefunction(func)
         if sync:
             _check_plain_def(func, ack_policy)
@@ -345,8 +357,22 @@ class HandlerSpec:
             queue_type=QueueType(options.get("queue_type", QueueType.CLASSIC)),
             declare=options.get("declare", True),
             queue_arguments=dict(options.get("queue_arguments") or {}),
-            dedup=options.get("dedup", USE_CONSUMER_DEDUP),
+            dedup=None if queue_only else options.get("dedup", USE_CONSUMER_DEDUP),
             sync=sync,
+            queue_only=queue_only,
+        )
+
+
+def _check_queue_only(queue: str, policy: AckPolicy, dedup: HandlerDedup) -> None:
+    """A queue consumed alone has no retry queue or DLQ: only the handler can settle."""
+    if policy is not AckPolicy.MANUAL:
+        raise TypeError(
+            f"queue_only=True ({queue!r}) needs ack_policy=AckPolicy.MANUAL: without retry "
+            "queues or a DLQ the consumer cannot settle a delivery for the handler"
+        )
+    if dedup is not USE_CONSUMER_DEDUP and dedup is not None:
+        raise TypeError(
+            f"queue_only=True ({queue!r}) runs the handler for every delivery: no dedup store"
         )
 
 

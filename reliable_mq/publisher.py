@@ -40,7 +40,10 @@ from ._amqp.wire import check_timeout
 from ._publish.batch import Batch, run_batch
 from ._publish.closing import Closing, task_end
 from ._publish.engine import Engine
+from ._publish.exchanges import ExchangeCache
 from ._publish.outgoing import Outgoing, Preparer
+from ._publish.ports import Stream, StreamEvents
+from ._publish.stream import StreamKeeper
 from .connection import ConnectionSupervisor
 from .errors import (
     ClosedError,
@@ -52,7 +55,7 @@ from .errors import (
 )
 from .log import get_logger
 from .message import Message, MessageOptions
-from .metrics import ExchangeMetrics, Metrics
+from .metrics import ExchangeMetrics, Metrics, PublisherMetrics
 from .outcomes import BatchResult, PendingPublish, PublisherStats, PublishResult
 from .settings import ConnectionSettings, PublisherSettings
 
@@ -117,24 +120,34 @@ class ReliablePublisher:
         self._supervisor = ConnectionSupervisor(connection, role="publisher", metrics=self._metrics)
         self._log = get_logger(__name__).bind(connection=self._supervisor.name)
         self._preparer = Preparer(self.settings, secrets.token_hex(8) + "-")
+        self._counts: PublisherMetrics = self._metrics.for_publisher(
+            self._supervisor.name, owner=self
+        )
+        open_timeout = connection.connect_timeout
+
+        def stream(events: StreamEvents, needed: Callable[[], bool]) -> Stream[Any]:
+            keeper = StreamKeeper(
+                self._supervisor, events, open_timeout=open_timeout, log=self._log, needed=needed
+            )
+            keeper.on_stopped = self._io_stopped
+            return keeper
+
         self._engine = Engine(
-            self._supervisor,
             self.settings,
             self._preparer,
-            open_timeout=connection.connect_timeout,
+            exchanges=ExchangeCache(self._supervisor, open_timeout=open_timeout, log=self._log),
+            link=self._supervisor,
+            stream=stream,
             log=self._log,
+            on_idle=self._flush_metrics,
         )
-        self._engine.on_idle = self._flush_metrics
         self._closing = Closing(self._engine, self._log)
         self._supervisor.on_stopped = self._io_stopped
-        self._engine.stream.on_stopped = self._io_stopped
-        self._in_flight_gauge = self._metrics.in_flight.labels(self._supervisor.name)
         self._labelled: dict[str, ExchangeMetrics] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._admitting: set[asyncio.Task[None]] = set()
         self._state = PublisherState.IDLE
         self._seq = 0
-        self._published = 0
 
     # -- life cycle ---------------------------------------------------------
 
@@ -187,14 +200,15 @@ class ReliablePublisher:
         if self._state is not PublisherState.IDLE:
             raise ClosedError("publisher is closed")
         self._state = PublisherState.OPEN
-        self._metrics.window_size.labels(self._supervisor.name).set(self.settings.max_in_flight)
+        self._counts.window_size = self.settings.max_in_flight
+        self._counts.flush()
         try:
             await self._supervisor.start()
             self._watchdog = asyncio.get_running_loop().create_task(
                 self._watch(), name=f"reliable_mq:{self._supervisor.name}:deadlines"
             )
             self._watchdog.add_done_callback(self._watchdog_ended)
-            await self._engine.stream.start()
+            await self._engine.start()
         except BaseException as exc:
             # Callers that came in meanwhile get their outcome; the publisher is
             # closed for good (its connection supervisor is).
@@ -215,11 +229,11 @@ class ReliablePublisher:
             FlushTimeout: ``timeout`` seconds passed first (the messages stay in flight).
         """
         engine = self._engine
-        if engine.idle.is_set():
+        if engine.idle:
             return
         try:
             async with asyncio.timeout(timeout):
-                await engine.idle.wait()
+                await engine.wait_idle()
         except TimeoutError:
             raise FlushTimeout(
                 f"{engine.pending} messages still unconfirmed after {timeout}s"
@@ -251,7 +265,7 @@ class ReliablePublisher:
         try:
             started = self._state in (PublisherState.OPEN, PublisherState.CLOSING)
             self._state = PublisherState.CLOSING
-            self._engine.closed = True
+            self._engine.stop_taking()
             if started:
                 try:
                     await closing.settle(
@@ -273,13 +287,11 @@ class ReliablePublisher:
 
     async def _shutdown(self) -> None:
         self._closing.stopping_io = True
-        self._engine.closed = True
+        self._engine.stop_taking()
         for task in list(self._admitting):
             task.cancel()
         await asyncio.gather(*self._admitting, return_exceptions=True)
         await self._engine.close()
-        await self._engine.stream.close()
-        await self._engine.exchanges.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
@@ -511,20 +523,20 @@ class ReliablePublisher:
     @property
     def in_flight(self) -> int:
         """Messages holding a window slot now."""
-        return self._engine.window.taken
+        return self._engine.in_flight
 
     def stats(self) -> PublisherStats:
-        engine = self._engine
+        engine, counts = self._engine, self._counts
         return PublisherStats(
-            published=self._published,
-            confirmed=engine.confirmed_count,
-            nacked=engine.nacked,
-            returned=engine.returned_count,
-            republished=engine.republished,
-            failed=engine.failed,
-            in_flight=engine.window.taken,
-            max_in_flight_seen=engine.window.high_water,
-            channel_generation=engine.stream.generation,
+            published=counts.total("published"),
+            confirmed=counts.total("confirmed"),
+            nacked=counts.total("nacked"),
+            returned=counts.total("returned"),
+            republished=counts.total("republished"),
+            failed=counts.total("failed"),
+            in_flight=engine.in_flight,
+            max_in_flight_seen=engine.high_water,
+            channel_generation=engine.channel_generation,
         )
 
     # -- preparation --------------------------------------------------------------
@@ -602,7 +614,10 @@ class ReliablePublisher:
         mandatory: bool,
         deadline_in: float,
     ) -> Outgoing:
-        self._published += 1
+        counts = self._labelled.get(exchange)
+        if counts is None:
+            counts = self._labelled[exchange] = self._counts.for_exchange(exchange)
+        counts.published += 1
         return Outgoing(
             self._seq,
             message_id,
@@ -612,15 +627,8 @@ class ReliablePublisher:
             mandatory,
             asyncio.get_running_loop().time() + deadline_in,
             time.monotonic(),
-            self._exchange_metrics(exchange),
+            counts,
         )
-
-    def _exchange_metrics(self, exchange: str) -> ExchangeMetrics:
-        """Labelled children cached per exchange: ``labels()`` is slow on a hot path."""
-        children = self._labelled.get(exchange)
-        if children is None:
-            children = self._labelled[exchange] = self._metrics.for_exchange(exchange)
-        return children
 
     # -- the periodic sweep -----------------------------------------------------------
 
@@ -634,9 +642,8 @@ class ReliablePublisher:
             self._flush_metrics()
 
     def _flush_metrics(self) -> None:
-        self._in_flight_gauge.set(self._engine.window.taken)
-        for children in self._labelled.values():
-            children.flush()
+        self._counts.in_flight = self._engine.in_flight
+        self._counts.flush()  # multiprocess mode only: the gauges and counts to the files
 
 
 def _refuse(out: Outgoing, error: ReliableMQError) -> None:

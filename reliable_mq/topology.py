@@ -434,7 +434,11 @@ async def _declare_one(
 
 
 async def prepare_topology(
-    connection: AbstractConnection, topology: QueueTopology, *, declare: bool = True
+    connection: AbstractConnection,
+    topology: QueueTopology,
+    *,
+    declare: bool = True,
+    queue_only: bool = False,
 ) -> QueueCheck:
     """Make ``topology`` ready to consume, using a work queue that exists as it is.
 
@@ -454,6 +458,9 @@ async def prepare_topology(
     (passive declares), or this raises. Without retry queues and a DLQ a failing
     handler's message would have nowhere to go.
 
+    With ``queue_only`` only the work queue is checked, passively: it is
+    consumed as it is, with no retry queues or DLQ.
+
     Every declaration runs on a channel of its own (a refusal closes it).
 
     Raises:
@@ -461,6 +468,13 @@ async def prepare_topology(
             DLQ exists with other arguments, or the broker refused a declaration;
             the message names the queue and what to do.
     """
+    if queue_only:
+        counts, fault = await _declare_one(connection, topology.queue, passive=True)
+        if fault is not None or counts is None:
+            if fault is not None and fault.kind is not FaultKind.NOT_FOUND:
+                raise ConsumerError(f"cannot check queue {topology.queue!r}: {fault.describe()}")
+            raise ConsumerError(f"queue {topology.queue!r} does not exist")
+        return QueueCheck(topology.queue, *counts)
     if not declare:
         return await _check_existing(connection, topology)
     side = [(topology.dead_letter_queue, topology.dead_letter_queue_arguments())] + [

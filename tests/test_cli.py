@@ -24,7 +24,9 @@ from reliable_mq import (
     ReliableConsumer,
     ReliablePublisher,
 )
+from reliable_mq.testing import TCPProxy
 from reliable_mq.topology import declare_topology, delete_topology
+from tests.conftest import proxied_url
 from tests.support.amqp import ESCAPED, MARK, drain_queue, hostile_frames
 from tests.support.private_node import free_port
 
@@ -359,6 +361,28 @@ class TestConsume:
         assert b"Traceback" not in err
         rest = await drain_queue(broker_url, queue)
         assert sorted(int(m.body) for m in rest) == list(range(3, queued))  # none lost
+
+    async def test_a_cut_connection_exits_1_without_showing_twice(
+        self, broker_url: str, queue: str, proxy: TCPProxy
+    ) -> None:
+        """The connection drops mid-run: exit 1 with a one-line reason, and the command
+        does not go on on a new channel (it would show the unsettled messages again)."""
+        await _publish(broker_url, queue, [b"first"])
+        consume = await _spawn(
+            "consume", queue, url=proxied_url(proxy), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert consume.stdout is not None
+        line = await asyncio.wait_for(consume.stdout.readline(), 30)
+        assert line == b"first\n"
+        await proxy.cut()
+        await _publish(broker_url, queue, [b"second"])
+        out, err = await asyncio.wait_for(consume.communicate(), 30)
+        assert consume.returncode == 1, err
+        assert b"the channel to the broker closed" in err and b"Traceback" not in err
+        assert out == b""  # nothing shown after the cut
+        rest = [m.body for m in await drain_queue(broker_url, queue)]
+        assert rest in ([b"second"], [b"first", b"second"])  # "first" again if its ack was cut
 
     async def test_missing_queue_exits_1(self, broker_url: str) -> None:
         """A queue that does not exist: exit 1 and a one-line reason."""

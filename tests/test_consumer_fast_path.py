@@ -432,7 +432,9 @@ class TestIntake:
                 aborted.append(True)
 
         route = SimpleNamespace(
-            queue="q", spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR)
+            queue="q",
+            spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR),
+            metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
         )
         dispatcher = Dispatcher(Shared(ConsumerSettings()))
         on_delivery = dispatcher.intake(route, _Session())  # type: ignore[arg-type]
@@ -441,7 +443,7 @@ class TestIntake:
             on_delivery(frame, Basic.Properties(), b"x", None)
         assert aborted == [True]
         assert "consumer_intake_failed" in caplog.text
-        assert dispatcher.shared.delivered == 0
+        assert route.metrics.delivered == 0
 
     async def test_channel_dead_before_the_task_starts(self) -> None:
         """Deliveries whose channel dies before their task runs: each settled once,
@@ -485,7 +487,7 @@ class TestIntake:
         tasks = [ticket.task for ticket in session.inflight.values()]
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
         assert calls == ["a"]
-        assert shared.stale == 3 and shared.acked == 0
+        assert route.metrics.stale == 3 and route.metrics.acked == 0
         assert session.inflight == {} and shared.active == 0
         assert channel.frames == []
 
@@ -504,55 +506,6 @@ class _ClosableChannel:
         self, tag: int, *, multiple: bool, requeue: bool, wait: bool = False
     ) -> None:
         self.frames.append(("nack", tag))
-
-
-class TestQueueMetricsFlush:
-    def test_flushed_counts_equal_direct_calls(self) -> None:
-        """Acks, the running-handlers gauge and every histogram bucket and sum come out
-        as if each had been inc()/observe()d at once."""
-        batched, direct = CollectorRegistry(), CollectorRegistry()
-        ours = Metrics.on(batched).for_queue("q")
-        theirs = Metrics.on(direct).for_queue("q")
-        durations = [0.0, 0.0005, 0.001, 0.003, 0.3, 2.0, 299.0, 300.0, 301.0, 1e9]
-        for seconds in durations:
-            ours.handler_ended(seconds)
-            theirs.duration.observe(seconds)
-        ours.pending_acked += 7
-        theirs.acked.inc(7)
-        ours.handlers_running = 3
-        theirs.in_progress.inc(3)
-        assert _samples(batched) != _samples(direct)  # nothing reached Prometheus yet
-        ours.flush()
-        assert _samples(batched) == _samples(direct)
-        ours.handlers_running = 1
-        theirs.in_progress.dec(2)
-        ours.handler_ended(0.02)
-        theirs.duration.observe(0.02)
-        ours.flush()
-        ours.flush()  # nothing new: changes nothing
-        assert _samples(batched) == _samples(direct)
-
-    def test_two_consumers_of_one_queue_add_up(self) -> None:
-        """Two consumers' counts for one queue on one registry are summed, not overwritten."""
-        registry = CollectorRegistry()
-        first = Metrics.on(registry).for_queue("q")
-        second = Metrics.on(registry).for_queue("q")
-        first.handlers_running, second.handlers_running = 2, 3
-        first.pending_acked, second.pending_acked = 4, 5
-        first.flush()
-        second.flush()
-        assert registry.get_sample_value("reliable_mq_handlers_in_progress", {"queue": "q"}) == 5
-        labels = {"queue": "q", "outcome": "acked"}
-        assert registry.get_sample_value("reliable_mq_consumed_messages_total", labels) == 9
-
-
-def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for metric in registry.collect()
-        for sample in metric.samples
-        if not sample.name.endswith("_created")
-    }
 
 
 # -- against the broker -----------------------------------------------------------

@@ -31,18 +31,11 @@ def _load_hook() -> object:
 
 def _exposed_names() -> dict[str, str]:
     """Every sample-family name Prometheus shows, mapped to its Metrics field."""
-    metrics = Metrics.on(CollectorRegistry())
-    names: dict[str, str] = {}
-    for field in metrics.__dataclass_fields__:
-        collector = getattr(metrics, field)
-        base: str = collector._name
-        kind: str = collector._type
-        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(
-            kind, [""]
-        )
-        for suffix in suffixes:
-            names[base + suffix] = field
-    return names
+    return {
+        sample: field
+        for field, spec in Metrics.describe().specs().items()
+        for sample in spec.samples
+    }
 
 
 class TestGeneratedTables:
@@ -88,7 +81,7 @@ class TestGeneratedTables:
     def test_metrics_table_lists_every_collector(self) -> None:
         """Each Metrics field has a row in the metrics page."""
         text = _load_hook().metrics_table()  # type: ignore[attr-defined]
-        for field in Metrics.on(CollectorRegistry()).__dataclass_fields__:
+        for field in Metrics.describe().specs():
             assert f"| <code>{field.replace('_', '_<wbr>')}</code> |" in text, field
 
     def test_markers_are_replaced(self) -> None:
@@ -296,7 +289,7 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     consumer_api = (site / "reference" / "consumer" / "index.html").read_text()
     assert "ReliableConsumer" in consumer_api
     assert "AckTracker" not in consumer_api  # internals live on the How it works page
-    assert "_acks.py" in (site / "how-it-works" / "index.html").read_text()
+    assert "_consume/acks.py" in (site / "how-it-works" / "index.html").read_text()
     metrics_page = (site / "guides" / "metrics" / "index.html").read_text()
     assert "reliable_<wbr>mq_<wbr>confirmed_<wbr>messages_<wbr>total" in metrics_page
 
@@ -327,13 +320,15 @@ class TestRenderedPanels:
         render = _load_renderer()
         registry = CollectorRegistry()
         metrics = Metrics.on(registry)
+        exchange = metrics.for_publisher("p").for_exchange("")
+        queue = metrics.for_queue("q")
         times, samples = [], []
         for second in range(5):
-            metrics.published.labels("").inc(100)
-            metrics.deliveries.labels("q", "acked").inc(40)
-            metrics.deliveries.labels("q", "retried").inc(2)
-            metrics.dead_lettered.labels("q", "rejected").inc(1)
-            metrics.confirm_latency.labels("").observe(0.004)
+            exchange.published += 100
+            queue.acked += 40
+            queue.retried += 2
+            queue.dead_letter_reason("rejected")
+            exchange.latency.observe(0.004)
             times.append(float(second))
             samples.append(render.snapshot(registry))
         evaluator = render.Evaluator(times, samples)

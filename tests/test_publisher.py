@@ -179,7 +179,7 @@ class TestStreaming:
         """The broker coalesces acks (multiple=true); every covered message still resolves once."""
         frames: list[Basic.Ack | Basic.Nack] = []
         async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
-            generation = publisher._engine.stream.current
+            generation = publisher._engine._stream.current
             assert generation is not None
             channel = generation.channel
             original = channel._on_confirm_frame

@@ -232,7 +232,7 @@ class TestMissingExchange:
         monkeypatch.setattr(_exchanges, "MISSING_TTL", 0.5)
         missing = f"missing-{uuid.uuid4().hex[:8]}"
         async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
-            probes = publisher._engine.exchanges
+            probes = publisher._engine._exchanges
             outcomes = await asyncio.gather(
                 *(publisher.publish(b"b", routing_key="", exchange=missing) for _ in range(50)),
                 return_exceptions=True,

@@ -557,7 +557,7 @@ class TestApply:
         channel.is_closed = True
         assert await ticket.settle(Cause(Outcome.RETURNED))
         assert channel.frames == []
-        assert session.shared.stale == 1
+        assert session.route.metrics.stale == 1
 
     async def test_a_bug_in_the_settle_still_requeues(self) -> None:
         """If carrying out the decision raises, the delivery is requeued (after the hold)."""
@@ -584,7 +584,7 @@ class TestApply:
         await asyncio.sleep(0)
         assert channel.frames == [("nack_requeue", 1)]
         assert ticket.outcome is Settle.REQUEUE
-        assert session.shared.fallbacks == 1
+        assert session.route.metrics.fallback_count == 1
 
 
 def _route(**settings: Any) -> Any:

@@ -79,7 +79,7 @@ class DedupGate:
 
     def unkeyed(self) -> None:
         """Count a delivery without a message id (processed without dedup); warn once."""
-        self.metrics.dedup_events["no_message_id"].inc()
+        self.metrics.dedup_event("no_message_id")
         if not self._warned_unkeyed:
             self._warned_unkeyed = True
             self.log.warning(
@@ -88,7 +88,7 @@ class DedupGate:
             )
 
     def busy(self) -> None:
-        self.metrics.dedup_events["busy"].inc()
+        self.metrics.dedup_event("busy")
 
     def _owner(self) -> str:
         return f"{self.prefix}{next(self._counter)}"
@@ -135,7 +135,7 @@ class DedupGate:
             try:
                 self.nowait.complete_nowait(claim.message_id, owner=claim.owner)
             except Exception as exc:
-                self.metrics.dedup_events["complete_failed"].inc()
+                self.metrics.dedup_event("complete_failed")
                 self._failed("complete", exc)
             else:
                 return True
@@ -151,7 +151,7 @@ class DedupGate:
                 self._spawn(self._quiet_complete(claim))
                 raise
             except Exception as exc:
-                self.metrics.dedup_events["complete_failed"].inc()
+                self.metrics.dedup_event("complete_failed")
                 self._failed("complete", exc)
                 now = time.monotonic()
                 if not deadline:
@@ -197,7 +197,7 @@ class DedupGate:
     # -- internals ----------------------------------------------------------
 
     def _failed(self, operation: str, exc: BaseException) -> None:
-        self.metrics.dedup_events["store_unavailable"].inc()
+        self.metrics.dedup_event("store_unavailable")
         if not self._outage_errors:
             self.log.warning(
                 "dedup_store_unavailable",
@@ -220,13 +220,13 @@ class DedupGate:
         try:
             await self.store.release(claim.message_id, owner=claim.owner)
         except Exception as exc:
-            self.metrics.dedup_events["release_failed"].inc()
+            self.metrics.dedup_event("release_failed")
             self._failed("release", exc)
 
     async def _quiet_complete(self, claim: Claim) -> None:
         try:
             await self.store.complete(claim.message_id, owner=claim.owner)
         except Exception as exc:
-            self.metrics.dedup_events["complete_failed"].inc()
+            self.metrics.dedup_event("complete_failed")
             self._failed("complete", exc)
             self.log.error("dedup_complete_lost", message_id=claim.message_id, error=repr(exc))

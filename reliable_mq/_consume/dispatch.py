@@ -102,8 +102,11 @@ class Dispatcher:
         the channel is closed, so the broker requeues what it delivered on it.
         """
         loop = asyncio.get_running_loop()
-        shared = self.shared
         deliver = self._deliver
+        metrics = route.metrics
+        # A queue consumed alone gets every delivery as it came, strings that did
+        # not decode kept escaped: its handler settles it, nothing is dead-lettered.
+        as_it_came = route.spec.queue_only
         # Whether the policy settles a delivery before its handler runs: decided
         # once (ACCEPTED does not depend on the attempt).
         acks_first = (
@@ -120,10 +123,10 @@ class Dispatcher:
             try:
                 ticket = session.admit(frame.delivery_tag or 0, None)
                 delivery = ticket.delivery = _delivery(route, frame, properties, body, ticket)
-                shared.delivered += 1
+                metrics.delivered += 1
                 if delivery.redelivered:
-                    route.metrics.redeliveries.inc()
-                if undecodable is None:
+                    metrics.redelivered += 1
+                if undecodable is None or as_it_came:
                     ticket.task = loop.create_task(deliver(route, ticket, acks_first))
                 else:
                     cause = Cause(Outcome.UNDECODABLE, undecodable.error, undecodable.describe())
@@ -213,6 +216,8 @@ class Dispatcher:
     async def _run(self, route: Route, ticket: Ticket, acks_first: bool) -> Cause | None:
         """Everything up to the handler's end, as a cause (None: settled already)."""
         delivery, spec, settings = ticket.delivery, route.spec, self.settings
+        if spec.queue_only:  # as it came: the handler settles every delivery itself
+            return await self._call(route, ticket, None)
         if route.has_overran:
             overran = route.take_overran(delivery)
             if overran is not None:  # the broker's redelivery of a run it cut off

@@ -56,43 +56,35 @@ _NACK_DROP = FrameKind.NACK_DROP
 
 
 class Shared:
-    """What every session of one consumer shares: settings, counters, the publisher."""
+    """What every session of one consumer shares: settings, state, the publisher.
+
+    Events are counted per queue, in each route's `QueueMetrics`, not here.
+    """
 
     __slots__ = (
-        "ack_frames",
-        "acked",
         "active",
         "broker_cut",
         "consumer_timeout",
-        "dead_lettered",
-        "deferred",
-        "delivered",
-        "duplicates",
         "exit_error",
-        "fallbacks",
         "idle",
         "max_active",
+        "on_channel_lost",
         "on_exit",
         "publisher",
-        "rejected",
-        "requeued",
-        "retried",
         "settings",
-        "stale",
         "stopping",
     )
 
     def __init__(self, settings: ConsumerSettings) -> None:
         self.settings = settings
         self.publisher: ReliablePublisher | None = None
-        self.acked = self.retried = self.dead_lettered = 0
-        self.requeued = self.stale = self.ack_frames = 0
-        self.duplicates = self.deferred = self.rejected = self.fallbacks = 0
-        self.delivered = self.active = self.max_active = 0
+        self.active = self.max_active = 0
         self.stopping = False
         self.idle: asyncio.Event | None = None
         self.exit_error: BaseException | None = None
         self.on_exit: Callable[[BaseException], None] | None = None
+        self.on_channel_lost: Callable[[str], None] | None = None
+        """Called with the queue's name when one of its channels is lost while consuming."""
         self.consumer_timeout: float | None = None
         self.broker_cut: float | None = None
         self.set_consumer_timeout(settings.consumer_timeout)
@@ -155,9 +147,7 @@ class Frames:
 
     def stale(self, deliveries: int) -> None:
         """Count settles dropped because the channel died."""
-        self.shared.stale += deliveries
-        self.metrics.stale_settles.inc(deliveries)
-        self.metrics.stale.inc(deliveries)
+        self.metrics.stale += deliveries
 
     async def _write(
         self, kind: FrameKind, tag: int, deliveries: int, *, wait: bool = False
@@ -181,8 +171,7 @@ class Frames:
             self.stale(deliveries)
             return False
         if kind is _ACK or kind is _ACK_MULTIPLE:
-            self.shared.ack_frames += 1
-            self.metrics.ack_batches.inc()
+            self.metrics.ack_frames += 1
         return True
 
     async def _settle_single(self, kind: FrameKind, tag: int) -> None:

@@ -209,7 +209,10 @@ class ChannelKeeper:
         try:
             async with asyncio.timeout(self.connection_settings.connect_timeout):
                 check = await prepare_topology(
-                    connection, route.topology, declare=route.spec.declare
+                    connection,
+                    route.topology,
+                    declare=route.spec.declare,
+                    queue_only=route.spec.queue_only,
                 )
                 aio_channel = await connection.channel(publisher_confirms=False)
                 channel = cast(Channel, await aio_channel.get_underlay_channel())

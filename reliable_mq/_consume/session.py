@@ -19,19 +19,21 @@ import asyncio
 import inspect
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiormq import Channel
 
 from .._amqp.faults import Fault, FaultKind, classify, consumer_timeout_of
 from ..delivery import Delivery, Settle
 from ..errors import ClosedError
-from ..handlers import Reject, Retry
+from ..handlers import HandlerSpec, Reject, Retry
 from ..headers import ERROR_MESSAGE_HEADER
 from ..log import get_logger
+from ..metrics import QueueMetrics
+from ..topology import QueueTopology
 from .acks import TagState
 from .copies import Copy, build_copy
-from .dedup_gate import Claim
+from .dedup_gate import Claim, DedupGate
 from .frames import Frames, Shared, broker_cut
 from .settle import (
     UNPUBLISHABLE_COPY,
@@ -45,11 +47,9 @@ from .settle import (
     next_rung,
 )
 
-if TYPE_CHECKING:
-    from .route import Route
-
 __all__ = (
     "Session",
+    "SessionRoute",
     "Shared",
     "Ticket",
     "delivery_log",
@@ -65,6 +65,30 @@ _CALLED = frozenset(
         Outcome.REJECT_SIGNAL,
     }
 )
+
+
+class SessionRoute(Protocol):
+    """What a session needs of its consumed queue (`reliable_mq._consume.route.Route`)."""
+
+    spec: HandlerSpec
+    metrics: QueueMetrics
+    dedup: DedupGate | None
+    topology: QueueTopology
+    queue_has_dlx: bool
+    """A reject without requeue dead-letters to the queue's DLQ (it was declared so)."""
+    log: Any
+
+    def overran(self, delivery: Delivery, ran: float, limit: float | None) -> None:
+        """The broker's ``consumer_timeout`` cut off a run of ``delivery``'s handler."""
+        ...
+
+    def copy_published(self, delivery: Delivery) -> None:
+        """A copy of ``delivery`` was published: its requeue-later holds end."""
+        ...
+
+    def next_requeue_delay(self, delivery: Delivery) -> float:
+        """The hold before requeueing ``delivery`` (no copy of it could be published)."""
+        ...
 
 
 class Ticket:
@@ -150,7 +174,7 @@ class Ticket:
 class Session(Frames):
     """One channel's life for one route: its frames, its tickets, its settles."""
 
-    def __init__(self, shared: Shared, route: Route, channel: Channel) -> None:
+    def __init__(self, shared: Shared, route: SessionRoute, channel: Channel) -> None:
         super().__init__(shared, route.metrics, channel)
         self.route = route
         self.inflight: dict[int, Ticket] = {}
@@ -211,6 +235,12 @@ class Session(Frames):
         fault = classify(error) if error is not None else None
         if fault is not None and fault.kind is FaultKind.CONSUMER_TIMEOUT:
             self.consumer_timed_out(fault)
+        shared = self.shared
+        if not shared.stopping and shared.on_channel_lost is not None:
+            try:
+                shared.on_channel_lost(self.route.spec.queue)
+            except Exception as exc:  # the caller's hook: it must not stop the cancels below
+                self.route.log.error("on_channel_lost_failed", error=repr(exc))
         for ticket in list(self.inflight.values()):
             task = ticket.task
             if task is None or task.done():
@@ -337,24 +367,20 @@ class Session(Frames):
                     self.shared.settings.max_attempts,
                 )
                 settle = decision.settle
-        shared, metrics, tag = self.shared, self.route.metrics, ticket.tag
+        metrics, tag = self.route.metrics, ticket.tag
         match settle:
             case Settle.ACK:
-                shared.acked += 1
-                metrics.pending_acked += 1  # added to Prometheus by QueueMetrics.flush
+                metrics.acked += 1
                 await self.ack(tag)
             case Settle.DUPLICATE:
-                shared.duplicates += 1
-                metrics.duplicate.inc()
-                metrics.duplicates_skipped.inc()
+                metrics.duplicate += 1
                 delivery_log(ticket.delivery).debug("duplicate_skipped", by=cause.outcome)
                 await self.ack(tag)
             case Settle.REQUEUE:
-                shared.requeued += 1
-                metrics.requeued.inc()
+                metrics.requeued += 1
                 await self.nack(tag, requeue=True)
             case Settle.REJECT:
-                shared.rejected += 1
+                metrics.rejected += 1
                 await self.nack(tag, requeue=False)
             case Settle.STALE:
                 self.stale(1)
@@ -408,7 +434,6 @@ class Session(Frames):
                 queue_has_dlx=route.queue_has_dlx,
                 copy_goes_to_dlx_target=purpose is Settle.DEAD_LETTER,
             )
-            self.shared.fallbacks += 1
             route.metrics.fallback(rung)
             delivery_log(delivery).error(
                 "copy_not_published",
@@ -420,8 +445,7 @@ class Session(Frames):
                 next=rung,
             )
         if rung is Rung.BROKER_DEAD_LETTER:
-            self.shared.dead_lettered += 1
-            route.metrics.dead_lettered.inc()
+            route.metrics.dead_lettered += 1
             route.metrics.dead_letter_reason(decision.reason or UNPUBLISHABLE_COPY)
             await self.nack(ticket.tag, requeue=False)
             return Settle.DEAD_LETTER
@@ -454,10 +478,9 @@ class Session(Frames):
         return None, ""
 
     def _copied(self, delivery: Delivery, decision: Decision, copy: Copy) -> None:
-        shared, metrics, log = self.shared, self.route.metrics, delivery_log(delivery)
+        metrics, log = self.route.metrics, delivery_log(delivery)
         if copy.purpose is Settle.RETRY:
-            shared.retried += 1
-            metrics.retried.inc()
+            metrics.retried += 1
             log.info(
                 "delivery_retry_scheduled",
                 delay=copy.delay,
@@ -465,8 +488,7 @@ class Session(Frames):
                 trimmed=copy.trimmed,
             )
         elif copy.purpose is Settle.DEAD_LETTER:
-            shared.dead_lettered += 1
-            metrics.dead_lettered.inc()
+            metrics.dead_lettered += 1
             reason = str(decision.reason)
             metrics.dead_letter_reason(reason)
             log.warning(
@@ -477,8 +499,7 @@ class Session(Frames):
                 trimmed=copy.trimmed,
             )
         else:
-            shared.deferred += 1
-            metrics.deferred.inc()
+            metrics.deferred += 1
             log.debug("delivery_deferred", delay=copy.delay, retry_queue=copy.queue)
 
     async def _requeue_later(self, ticket: Ticket) -> None:
@@ -489,8 +510,7 @@ class Session(Frames):
             delay=delay,
             hint="no copy could be published and the broker cannot dead-letter it",
         )
-        self.shared.requeued += 1
-        self.route.metrics.requeued.inc()
+        self.route.metrics.requeued += 1
         if delay:
             await asyncio.sleep(delay)
         await self.nack(ticket.tag, requeue=True)

@@ -9,16 +9,15 @@ waits for the exchange's probe; the window is the backpressure.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ..errors import ClosedError
+from .._amqp.faults import Fault
+from ..errors import ClosedError, PublishAborted, PublishError, PublishUnavailable
 from .errors import exchange_error
 from .outgoing import Outgoing
+from .window import Window
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ("Aborted", "Unavailable", "wait_for_admission")
+__all__ = ("Aborted", "Admitting", "Unavailable", "wait_for_admission")
 
 
 class Aborted(Exception):
@@ -29,7 +28,34 @@ class Unavailable(Exception):
     """Internal: no connection for unavailable_timeout; waiters turn it into PublishUnavailable."""
 
 
-async def wait_for_admission(engine: Engine, out: Outgoing) -> None:
+class Admitting(Protocol):
+    """What admission asks of the engine (`reliable_mq._publish.engine.Engine`)."""
+
+    @property
+    def window(self) -> Window: ...
+
+    @property
+    def unavailable(self) -> bool: ...
+
+    @property
+    def aborting(self) -> bool: ...
+
+    def holder(self, message_id: str) -> Outgoing | None:
+        """The admitted message that owns ``message_id`` now, if any."""
+        ...
+
+    def exchange_known(self, exchange: str) -> bool: ...
+
+    async def check_exchange(self, exchange: str) -> Fault | None: ...
+
+    def timeout_error(self, out: Outgoing) -> PublishError: ...
+
+    def aborted_error(self, out: Outgoing) -> PublishAborted: ...
+
+    def unavailable_error(self, out: Outgoing) -> PublishUnavailable: ...
+
+
+async def wait_for_admission(engine: Admitting, out: Outgoing) -> None:
     """Return once ``out`` holds a slot and owns its id (the caller then admits it).
 
     Raises:
@@ -39,11 +65,11 @@ async def wait_for_admission(engine: Engine, out: Outgoing) -> None:
     window = engine.window
     while True:
         _check_open(engine, out)
-        previous = engine.by_id.get(out.message_id)
+        previous = engine.holder(out.message_id)
         if previous is not None:
             await _wait_release(engine, previous, out)
             continue
-        if out.exchange not in engine.exchanges.known:
+        if not engine.exchange_known(out.exchange):
             await _check_exchange(engine, out)
             continue
         if window.try_acquire():
@@ -56,7 +82,7 @@ async def wait_for_admission(engine: Engine, out: Outgoing) -> None:
             raise engine.aborted_error(out) from None
         except Unavailable:
             raise engine.unavailable_error(out) from None
-        if out.message_id in engine.by_id or engine.unavailable or engine.aborting:
+        if engine.holder(out.message_id) is not None or engine.unavailable or engine.aborting:
             window.release()  # someone else's turn first: wait again
             continue
         break
@@ -65,14 +91,14 @@ async def wait_for_admission(engine: Engine, out: Outgoing) -> None:
         raise engine.timeout_error(out)
 
 
-def _check_open(engine: Engine, out: Outgoing) -> None:
+def _check_open(engine: Admitting, out: Outgoing) -> None:
     if engine.aborting:
         raise engine.aborted_error(out)
     if engine.unavailable:
         raise engine.unavailable_error(out)
 
 
-async def _wait_release(engine: Engine, previous: Outgoing, out: Outgoing) -> None:
+async def _wait_release(engine: Admitting, previous: Outgoing, out: Outgoing) -> None:
     waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     if previous.followers is None:
         previous.followers = []
@@ -84,10 +110,10 @@ async def _wait_release(engine: Engine, previous: Outgoing, out: Outgoing) -> No
         raise engine.timeout_error(out) from None
 
 
-async def _check_exchange(engine: Engine, out: Outgoing) -> None:
+async def _check_exchange(engine: Admitting, out: Outgoing) -> None:
     try:
         async with asyncio.timeout_at(out.deadline):
-            fault = await engine.exchanges.check(out.exchange)
+            fault = await engine.check_exchange(out.exchange)
     except TimeoutError:
         raise engine.timeout_error(out) from None
     except ClosedError:

@@ -17,16 +17,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ("Closing",)
+__all__ = ("Closable", "Closing", "task_end")
 
 _LEAVE_TIMEOUT = 1.0
 """Seconds an abort waits for the callers it woke to leave admission (they only
 need a loop iteration each; the bound is for a caller stuck elsewhere)."""
+
+
+class Closable(Protocol):
+    """What closing asks of the engine (`reliable_mq._publish.engine.Engine`)."""
+
+    @property
+    def idle(self) -> bool:
+        """No caller waits for an outcome."""
+        ...
+
+    async def wait_idle(self) -> None: ...
+
+    def stop_taking(self) -> None:
+        """No channel is needed once nothing is left to send."""
+        ...
+
+    def abort(self, why: str = "") -> int:
+        """Fail every caller without an outcome; return how many."""
+        ...
 
 
 class Closing:
@@ -39,7 +55,7 @@ class Closing:
 
     __slots__ = ("_log", "done", "engine", "io_gone", "stopping_io")
 
-    def __init__(self, engine: Engine, log: Any) -> None:
+    def __init__(self, engine: Closable, log: Any) -> None:
         self.engine = engine
         self._log = log
         self.done: asyncio.Event | None = None
@@ -57,11 +73,11 @@ class Closing:
         """
         engine = self.engine
         try:
-            if not engine.idle.is_set():
+            if not engine.idle:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):
-                        await engine.idle.wait()
-            if not engine.idle.is_set():
+                        await engine.wait_idle()
+            if not engine.idle:
                 await self.abort(f"close() waited {wait:g}s", timeout=wait)
         except asyncio.CancelledError:
             await self.abort("close() was cancelled", cancelled=True)
@@ -76,7 +92,7 @@ class Closing:
         # Callers waiting for admission were woken with their error: let them leave.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_LEAVE_TIMEOUT):
-                await engine.idle.wait()
+                await engine.wait_idle()
 
     def io_stopped(self, why: str) -> bool:
         """A task the publisher needs ended, not by ``close()``: fail every caller now.
@@ -88,7 +104,7 @@ class Closing:
             return False
         self.io_gone = why
         engine = self.engine
-        engine.closed = True
+        engine.stop_taking()
         count = engine.abort(f"the publisher stopped ({why})")
         if count:
             self._log.error("publisher_io_stopped", reason=why, aborted=count)

@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._amqp.faults import Fault, FaultKind
-from ..connection import ConnectionSupervisor
 from ..errors import (
     ClosedError,
     PublishAborted,
@@ -47,10 +46,10 @@ from .errors import (
     timeout_error,
     unavailable_error,
 )
-from .exchanges import ExchangeCache
 from .isolation import Isolation
+from .ledger import Ledger
 from .outgoing import Outgoing, Preparer, RetryReason
-from .stream import Generation, StreamKeeper
+from .ports import Exchanges, Link, SendChannel, StreamFactory
 from .window import Window
 
 __all__ = ("Engine",)
@@ -62,90 +61,159 @@ _MAX_REFUSALS = 64
 
 
 class Engine:
-    """Sends admitted messages and resolves them; implements the stream's events."""
+    """Sends admitted messages and resolves them; implements the stream's events.
+
+    Its state is its own: the publisher, the admission and the closing talk to
+    it through the methods below, and the stream through its events (`opened`,
+    `confirmed`, `returned`, `lost`). It counts each message's events in the
+    message's `ExchangeMetrics`, which serve both ``stats()`` and Prometheus.
+
+    Args:
+        settings: the publisher's settings (window, deadlines, retry policy).
+        preparer: the publisher's encoder (told each channel's ``frame_max``).
+        exchanges: the exchange probes.
+        link: the connection (its reconnects, for returns right after one).
+        stream: makes the confirm channel's keeper, given this engine as its events.
+        log: the publisher's bound logger.
+        on_idle: called when the last outstanding message gets its outcome.
+    """
 
     def __init__(
         self,
-        supervisor: ConnectionSupervisor,
         settings: PublisherSettings,
         preparer: Preparer,
         *,
-        open_timeout: float,
+        exchanges: Exchanges,
+        link: Link,
+        stream: StreamFactory,
         log: Any,
+        on_idle: Callable[[], None] = lambda: None,
     ) -> None:
-        self.settings = settings
+        self._settings = settings
         self._preparer = preparer
-        self._supervisor = supervisor
+        self._link = link
         self._log = log
-        self.window = Window(settings.max_in_flight)
-        self.by_id: dict[str, Outgoing] = {}
-        """Every admitted message until it is final and off every channel."""
-        self.backlog: deque[Outgoing] = deque()
-        self.isolation: Isolation | None = None
-        self.closed = False
-        self.aborting = False
-        self.abort_reason = ""
+        self._ledger = Ledger(settings.max_in_flight, on_idle)
+        self._window = self._ledger.window
+        self._backlog: deque[Outgoing] = deque()
+        self._isolation: Isolation | None = None
+        self._closed = False
+        self._aborting = False
+        self._abort_reason = ""
         """Why `abort` was called, for the errors (empty: ``close()`` gave up)."""
-        self.unavailable = False
-        self.down_since: float | None = None
-        self.outstanding = 0
-        """Admitted messages whose caller does not have the outcome yet."""
-        self.waiting = 0
-        """Callers between hand-over and admission (a window slot, their id, their exchange)."""
-        self.batches = 0
-        """``publish_many()`` calls running (their input was handed over as a whole)."""
-        self.idle = asyncio.Event()
-        """Set while no caller waits for an outcome: nothing outstanding, nobody waiting."""
-        self.idle.set()
-        self.stream = StreamKeeper(
-            supervisor, self, open_timeout=open_timeout, log=log, needed=self._needed
-        )
-        self.exchanges = ExchangeCache(supervisor, open_timeout=open_timeout, log=log)
+        self._unavailable = False
+        self._down_since: float | None = None
+        self._exchanges = exchanges
+        self._stream = stream(self, self._needed)
         self._diverted: dict[str, list[Outgoing]] = {}
         self._probes: set[asyncio.Task[None]] = set()
-        self.on_idle: Callable[[], None] = lambda: None
-        """Called when the last outstanding message gets its outcome (metrics flush)."""
         self._next_deadline = float("inf")
-        self.confirmed_count = self.nacked = self.returned_count = 0
-        self.republished = self.failed = 0
 
     def _needed(self) -> bool:
-        return not self.closed or bool(self.by_id) or bool(self.waiting or self.batches)
+        return not self._closed or self._ledger.busy
+
+    # -- what others may ask ----------------------------------------------------------
+
+    @property
+    def window(self) -> Window:
+        """The in-flight window (admission waits on it)."""
+        return self._window
 
     @property
     def pending(self) -> int:
         """Callers without an outcome: admitted and outstanding, or waiting for admission."""
-        return self.outstanding + self.waiting
+        return self._ledger.pending
+
+    @property
+    def in_flight(self) -> int:
+        """Messages holding a window slot now."""
+        return self._window.taken
+
+    @property
+    def high_water(self) -> int:
+        """The most window slots ever held at once."""
+        return self._window.high_water
+
+    @property
+    def channel_generation(self) -> int:
+        """Confirm channels opened so far."""
+        return self._stream.generation
+
+    @property
+    def unavailable(self) -> bool:
+        """No connection for ``unavailable_timeout``: callers fail at once until one opens."""
+        return self._unavailable
+
+    @property
+    def aborting(self) -> bool:
+        """`abort` was called: every caller fails with ``PublishAborted``."""
+        return self._aborting
+
+    @property
+    def idle(self) -> bool:
+        """No caller waits for an outcome."""
+        return self._ledger.idle
+
+    async def wait_idle(self) -> None:
+        """Return once no caller waits for an outcome."""
+        await self._ledger.wait_idle()
+
+    def holder(self, message_id: str) -> Outgoing | None:
+        """The admitted message that owns ``message_id`` now, if any."""
+        return self._ledger.holder(message_id)
+
+    def exchange_known(self, exchange: str) -> bool:
+        """``exchange`` is known to exist (no probe needed)."""
+        return exchange in self._exchanges.known
+
+    async def check_exchange(self, exchange: str) -> Fault | None:
+        """Probe ``exchange`` (shared with concurrent callers): None when it exists."""
+        return await self._exchanges.check(exchange)
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the first confirm channel."""
+        await self._stream.start()
+
+    def stop_taking(self) -> None:
+        """The publisher is closing: no channel is needed once nothing is left to send."""
+        self._closed = True
+
+    async def close(self) -> None:
+        """Stop the probes, the confirm channel and the exchange checks (shutting down)."""
+        self._closed = True
+        for task in list(self._probes):
+            task.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
+        await self._stream.close()
+        await self._exchanges.close()
+
+    # -- callers waiting for admission, and batches ----------------------------------------
 
     def hold(self) -> None:
         """A caller waits for admission: the engine is not idle until `unhold`."""
-        self.waiting += 1
-        self.idle.clear()
+        self._ledger.hold()
 
     def unhold(self) -> None:
-        self.waiting -= 1
-        if not self.waiting and not self.outstanding:
-            self._went_idle()
+        self._ledger.unhold()
 
     def begin_batch(self) -> None:
         """A ``publish_many()`` runs: the engine is not idle until `end_batch`."""
-        self.batches += 1
-        self.idle.clear()
+        self._ledger.begin_batch()
 
     def end_batch(self) -> None:
-        self.batches -= 1
-        if not self.batches and not self.outstanding:
-            self._went_idle()
+        self._ledger.end_batch()
 
     # -- admission ------------------------------------------------------------------
 
     def admit_now(self, out: Outgoing) -> bool:
         """Admit and send ``out`` without waiting, if nothing stands in the way."""
         if (
-            self.unavailable
-            or out.message_id in self.by_id
-            or out.exchange not in self.exchanges.known
-            or not self.window.try_acquire()
+            self._unavailable
+            or self._ledger.holder(out.message_id) is not None
+            or out.exchange not in self._exchanges.known
+            or not self._window.try_acquire()
         ):
             return False
         self._admitted(out)
@@ -154,8 +222,8 @@ class Engine:
     async def admit(self, out: Outgoing) -> None:
         """Wait (until the message's deadline) for its id, its exchange and a slot; send it.
 
-        While it waits, the caller counts as `waiting`: ``close()`` waits for it
-        as for an admitted message.
+        While it waits, the caller counts as waiting (`pending`): ``close()``
+        waits for it as for an admitted message.
 
         Raises:
             PublishError: the deadline passed, the exchange is missing or refused,
@@ -166,7 +234,6 @@ class Engine:
             await wait_for_admission(self, out)
             self._admitted(out)  # before unhold(): the engine must not look idle between
         except PublishError as exc:
-            self.failed += 1
             out.metrics.failure(type(exc).__name__)
             raise
         finally:
@@ -177,57 +244,50 @@ class Engine:
         try:
             await wait_for_admission(self, out)
         except PublishError as exc:
-            self.failed += 1
             out.metrics.failure(type(exc).__name__)
             raise
         self._admitted(out)
 
     def owns(self, out: Outgoing) -> bool:
         """``out`` was admitted: the engine gives its caller the outcome."""
-        return out.finished or self.by_id.get(out.message_id) is out
+        return out.finished or self._ledger.holder(out.message_id) is out
 
     def _admitted(self, out: Outgoing) -> None:
         """``out`` holds its slot and its id: count it, and send it or queue it."""
-        self.by_id[out.message_id] = out
-        self.outstanding += 1
-        if self.outstanding == 1:
-            self.idle.clear()
+        self._ledger.admit(out)
         self._next_deadline = min(self._next_deadline, out.deadline)
-        self.submit(out)
+        self._submit(out)
 
     # -- sending ----------------------------------------------------------------------
 
-    def submit(self, out: Outgoing) -> None:
+    def _submit(self, out: Outgoing) -> None:
         """Send ``out`` now, or queue it behind the messages already waiting."""
-        generation = self.stream.current
-        if generation is not None and not self.backlog and self.isolation is None:
+        generation = self._stream.current
+        if generation is not None and not self._backlog and self._isolation is None:
             self._send(generation, out)
         else:
-            self.backlog.append(out)
+            self._backlog.append(out)
 
-    def _send(self, generation: Generation, out: Outgoing) -> None:
-        if out.exchange not in self.exchanges.known:
+    def _send(self, generation: SendChannel, out: Outgoing) -> None:
+        if out.exchange not in self._exchanges.known:
             self._divert(out)  # its exchange went missing (or was refused) since admission
             return
         out.attempts += 1
         if out.attempts > 1:
-            self.republished += 1
             out.metrics.republish(out.retry_reason)
             if out.batch is not None:
                 out.batch.republished += 1
-        else:
-            out.metrics.pending_published += 1
         out.returned = None
         out.generation = generation.number
         out.sent_at = asyncio.get_running_loop().time()
         out.tag = generation.write(out)
 
-    def pump(self) -> None:
+    def _pump(self) -> None:
         """Send what waits, in order; during an isolation, only its current chunk."""
-        generation = self.stream.current
+        generation = self._stream.current
         if generation is None or generation.closing:
             return
-        isolation = self.isolation
+        isolation = self._isolation
         if isolation is not None:
             if isolation.chunk and not isolation.chunk_done():
                 return
@@ -236,9 +296,9 @@ class Engine:
                 for out in chunk:
                     self._send(generation, out)
                 return
-            self.isolation = None
+            self._isolation = None
             self._log.info("refusal_isolated", reason=isolation.fault.describe())
-        backlog = self.backlog
+        backlog = self._backlog
         while backlog and not generation.closing:
             out = backlog.popleft()
             if not out.finished:
@@ -259,39 +319,33 @@ class Engine:
         fault: Fault | None = None
         try:
             while True:
-                fault = await self.exchanges.check(exchange)
+                fault = await self._exchanges.check(exchange)
                 if fault is None or fault.refusal:
                     break
                 await asyncio.sleep(0.2)  # could not check (connection trouble): again
         except (ClosedError, asyncio.CancelledError):
             for out in self._diverted.pop(exchange, []):
-                self.fail(out, self.aborted_error(out))
+                self._fail(out, self.aborted_error(out))
             raise
         for out in self._diverted.pop(exchange, []):
             if out.finished:
                 continue
             if fault is None:
-                self.submit(out)
+                self._submit(out)
             else:
-                self.fail(out, exchange_error(out, exchange, fault))
-
-    async def close(self) -> None:
-        """Stop the background probes (the publisher is shutting down)."""
-        for task in list(self._probes):
-            task.cancel()
-        await asyncio.gather(*self._probes, return_exceptions=True)
+                self._fail(out, exchange_error(out, exchange, fault))
 
     # -- stream events ------------------------------------------------------------------
 
-    def opened(self, generation: Generation) -> None:
+    def opened(self, generation: SendChannel) -> None:
         self._preparer.frame_max = generation.frame_max
-        self.down_since = None
-        if self.unavailable:
-            self.unavailable = False
+        self._down_since = None
+        if self._unavailable:
+            self._unavailable = False
             self._log.info("broker_available_again")
-        self.pump()
+        self._pump()
 
-    def confirmed(self, generation: Generation, items: list[Outgoing], ack: bool) -> None:
+    def confirmed(self, generation: SendChannel, items: list[Outgoing], ack: bool) -> None:
         now = asyncio.get_running_loop().time()
         if ack:
             generation.last_ack = now
@@ -303,38 +357,37 @@ class Engine:
             elif out.returned is not None:
                 self._returned(out, now)
             else:
-                self.confirmed_count += 1
                 metrics = out.metrics
-                metrics.pending_confirmed += 1
+                metrics.confirmed += 1
                 metrics.latency.observe(now - out.sent_at)
                 if out.finished:
-                    self._release(out)
+                    self._ledger.release(out)
                 else:
                     self._succeed(out, now)
-        if self.isolation is not None:
-            self.pump()
+        if self._isolation is not None:
+            self._pump()
 
-    def returned(self, generation: Generation, message_id: str, code: int, text: str) -> None:
-        out = self.by_id.get(message_id)
+    def returned(self, generation: SendChannel, message_id: str, code: int, text: str) -> None:
+        out = self._ledger.holder(message_id)
         if out is not None and out.generation == generation.number and out.tag:
             out.returned = (code, text)
 
-    def lost(self, generation: Generation, items: list[Outgoing], fault: Fault | None) -> None:
-        if self.stream.current is None and self.down_since is None:
-            self.down_since = asyncio.get_running_loop().time()
+    def lost(self, generation: SendChannel, items: list[Outgoing], fault: Fault | None) -> None:
+        if self._stream.current is None and self._down_since is None:
+            self._down_since = asyncio.get_running_loop().time()
         live: list[Outgoing] = []
         for out in items:
             out.tag = 0
             if out.finished:
-                self._release(out)
+                self._ledger.release(out)
             else:
                 live.append(out)
         if fault is not None and fault.refusal:
             self._refused(live, fault)
         else:
-            self.requeue(live, RetryReason.CONNECTION_LOST)
+            self._requeue(live, RetryReason.CONNECTION_LOST)
 
-    def requeue(self, items: Iterable[Outgoing], reason: RetryReason) -> None:
+    def _requeue(self, items: Iterable[Outgoing], reason: RetryReason) -> None:
         """Put messages back in front of the backlog, in publish order."""
         items = list(items)
         if not items:
@@ -344,27 +397,26 @@ class Engine:
             out.retry_reason = reason
             if lost:
                 out.maybe_routed = True
-        if self.isolation is not None:
-            self.isolation.chunk = []
-            self.isolation.suspects.extendleft(reversed(sorted(items, key=_seq)))
+        if self._isolation is not None:
+            self._isolation.chunk = []
+            self._isolation.suspects.extendleft(reversed(sorted(items, key=_seq)))
             return
-        merged = sorted([*items, *self.backlog], key=_seq)
-        self.backlog = deque(merged)
+        merged = sorted([*items, *self._backlog], key=_seq)
+        self._backlog = deque(merged)
 
     # -- outcomes -------------------------------------------------------------------------
 
-    def _nacked(self, generation: Generation, out: Outgoing, now: float) -> None:
-        self.nacked += 1
-        out.metrics.nacked.inc()
-        if generation.number == self.stream.generation:
+    def _nacked(self, generation: SendChannel, out: Outgoing, now: float) -> None:
+        out.metrics.nacked += 1
+        if generation.number == self._stream.generation:
             generation.nacks_since_ack += 1
             if generation.nacks_since_ack >= 3 and now - generation.last_ack >= _NACK_ONLY_SECONDS:
                 # RabbitMQ 3.10 (seen on 3.10.8): a channel that first published to a
                 # quorum queue while it had no leader nacks every later publish to
                 # it, even after a new leader is elected; a fresh channel works.
-                self.stream.replace(generation)
+                self._stream.replace(generation)
         if out.finished:
-            self._release(out)
+            self._ledger.release(out)
             return
         if self._counted_failure(out, "nacked by the broker"):
             return
@@ -374,9 +426,9 @@ class Engine:
     def _counted_failure(self, out: Outgoing, what: str) -> bool:
         """Count a nack or a confirm timeout; True if ``out`` gave up (max_attempts)."""
         out.failures += 1
-        if out.failures < self.settings.max_attempts:
+        if out.failures < self._settings.max_attempts:
             return False
-        self.fail(
+        self._fail(
             out,
             PublishGaveUp(
                 f"{what} {out.failures} times", message_id=out.message_id, attempts=out.attempts
@@ -385,10 +437,9 @@ class Engine:
         return True
 
     def _returned(self, out: Outgoing, now: float) -> None:
-        self.returned_count += 1
-        out.metrics.returned.inc()
+        out.metrics.returned += 1
         if out.finished:
-            self._release(out)
+            self._ledger.release(out)
             return
         assert out.returned is not None
         code, text = out.returned
@@ -397,7 +448,7 @@ class Engine:
             out.retry_reason = RetryReason.RETURNED_AFTER_RECONNECT
             self._back_off(out, out.returns, now)
             return
-        self.fail(
+        self._fail(
             out,
             PublishUnroutable(
                 message_id=out.message_id,
@@ -411,16 +462,12 @@ class Engine:
 
     def _return_may_be_transient(self, now: float) -> bool:
         """A basic.return soon after a REconnect may mean "queue not recovered yet"."""
-        grace = self.settings.returns_retried_after_reconnect
-        return (
-            grace > 0
-            and self._supervisor.generation > 1
-            and now - self._supervisor.connected_at < grace
-        )
+        grace = self._settings.returns_retried_after_reconnect
+        return grace > 0 and self._link.generation > 1 and now - self._link.connected_at < grace
 
     def _back_off(self, out: Outgoing, failures: int, now: float) -> None:
         loop = asyncio.get_running_loop()
-        delay = self.settings.backoff(failures)
+        delay = self._settings.backoff(failures)
         if now + delay >= out.deadline:
             loop.call_at(out.deadline, self._expire, out)
         else:
@@ -428,11 +475,11 @@ class Engine:
 
     def _resend(self, out: Outgoing) -> None:
         if not out.finished and out.tag == 0:
-            self.submit(out)
+            self._submit(out)
 
     def _expire(self, out: Outgoing) -> None:
         if not out.finished:
-            self.fail(out, self.timeout_error(out))
+            self._fail(out, self.timeout_error(out))
 
     def _refused(self, live: list[Outgoing], fault: Fault) -> None:
         """The broker closed the channel (or connection) refusing something we sent."""
@@ -444,48 +491,47 @@ class Engine:
             culprits = [out for out in live if out.exchange == name]
             if culprits:
                 self._exchange_refused(name, culprits, fault)
-                self.requeue(
+                self._requeue(
                     [out for out in live if out.exchange != name], RetryReason.REFUSED_NEARBY
                 )
                 return
         worn = [out for out in live if out.refusals >= _MAX_REFUSALS]
         for out in worn:
-            self.fail(out, refused_error(out, fault))
+            self._fail(out, refused_error(out, fault))
         live = [out for out in live if out.refusals < _MAX_REFUSALS]
         if not live:
             return
-        isolation = self.isolation
+        isolation = self._isolation
         if isolation is None:
             if len(live) == 1:
-                self.fail(live[0], refused_error(live[0], fault))
+                self._fail(live[0], refused_error(live[0], fault))
                 return
             self._log.warning("refusal_isolating", reason=fault.describe(), suspects=len(live))
-            self.isolation = Isolation(sorted(live, key=_seq), fault)
+            self._isolation = Isolation(sorted(live, key=_seq), fault)
             for out in live:
                 out.retry_reason = RetryReason.REFUSED_NEARBY
             return
         culprit = isolation.narrow(live)
         if culprit is not None:
-            self.fail(culprit, refused_error(culprit, fault))
+            self._fail(culprit, refused_error(culprit, fault))
 
     def _exchange_refused(self, name: str, culprits: list[Outgoing], fault: Fault) -> None:
         if fault.kind is FaultKind.NOT_FOUND:
-            self.exchanges.forget(name)
+            self._exchanges.forget(name)
             if len(culprits) > 1:
                 # One of them met the 404; the ones before it may have been routed
                 # before the exchange went away. Which is which, the broker does not say.
                 for out in culprits:
                     out.maybe_routed = True
         else:
-            self.exchanges.refuse(name, fault)
+            self._exchanges.refuse(name, fault)
         for out in culprits:
-            self.fail(out, exchange_error(out, name, fault))
+            self._fail(out, exchange_error(out, name, fault))
 
     # -- resolution -----------------------------------------------------------------------
 
     def _succeed(self, out: Outgoing, now: float) -> None:
         out.finished = True
-        self.outstanding -= 1
         batch = out.batch
         if batch is not None:
             batch.succeeded()
@@ -499,17 +545,14 @@ class Engine:
                     future.set_result(result)
             elif out.callback is not None:
                 out.callback(result, None)
-        self._release(out)
-        if not self.outstanding:
-            self._went_idle()
+        self._ledger.release(out)
+        self._ledger.resolved()
 
-    def fail(self, out: Outgoing, error: ReliableMQError) -> None:
+    def _fail(self, out: Outgoing, error: ReliableMQError) -> None:
         """Give ``out`` its final error (it stays in the window while still on a channel)."""
         if out.finished:
             return
         out.finished = True
-        self.outstanding -= 1
-        self.failed += 1
         out.metrics.failure(type(error).__name__)
         self._log.debug(
             "publish_failed",
@@ -529,71 +572,53 @@ class Engine:
         elif out.callback is not None:
             out.callback(None, error)
         if out.tag == 0:
-            self._release(out)
-        if not self.outstanding:
-            self._went_idle()
-
-    def _release(self, out: Outgoing) -> None:
-        if self.by_id.get(out.message_id) is out:
-            del self.by_id[out.message_id]
-            self.window.release()
-            followers = out.followers
-            if followers:
-                out.followers = None
-                for waiter in followers:
-                    if not waiter.done():
-                        waiter.set_result(None)
-
-    def _went_idle(self) -> None:
-        if self.waiting or self.batches:
-            return
-        self.idle.set()
-        self.on_idle()
+            self._ledger.release(out)
+        self._ledger.resolved()
 
     # -- errors ------------------------------------------------------------------------------
 
     def timeout_error(self, out: Outgoing) -> PublishError:
-        if self.aborting:
+        if self._aborting:
             return self.aborted_error(out)
         return timeout_error(out)
 
     def aborted_error(self, out: Outgoing) -> PublishAborted:
-        return aborted_error(out, self.abort_reason)
+        return aborted_error(out, self._abort_reason)
 
     def unavailable_error(self, out: Outgoing) -> PublishUnavailable:
-        return unavailable_error(out, self.settings.unavailable_timeout)
+        return unavailable_error(out, self._settings.unavailable_timeout)
 
     # -- the periodic sweep --------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
         """Deadlines, stuck channels and outages: called every 50 ms by the publisher."""
-        self.window.expire(now)
+        self._window.expire(now)
         if now >= self._next_deadline:
             self._expire_deadlines(now)
-        generation = self.stream.current
+        generation = self._stream.current
         if generation is not None and not generation.closing:
             self._check_stuck(generation, now)
         elif (
-            not self.unavailable
-            and self.down_since is not None
-            and now - self.down_since >= self.settings.unavailable_timeout
+            not self._unavailable
+            and self._down_since is not None
+            and now - self._down_since >= self._settings.unavailable_timeout
         ):
             self._go_unavailable()
 
     def _expire_deadlines(self, now: float) -> None:
         earliest = float("inf")
-        for out in list(self.by_id.values()):
+        for out in self._ledger.admitted():
             if out.finished:
                 continue
             if out.deadline <= now:
-                self.fail(out, self.timeout_error(out))
+                self._fail(out, self.timeout_error(out))
             elif out.deadline < earliest:
                 earliest = out.deadline
         self._next_deadline = earliest
 
-    def _check_stuck(self, generation: Generation, now: float) -> None:
+    def _check_stuck(self, generation: SendChannel, now: float) -> None:
         oldest = generation.tracker.oldest()
-        timeout = self.settings.confirm_timeout
+        timeout = self._settings.confirm_timeout
         if oldest is None or now - oldest.sent_at < timeout:
             return
         self._log.warning(
@@ -606,19 +631,19 @@ class Engine:
             if out.finished or now - out.sent_at < timeout:
                 continue
             self._counted_failure(out, f"not confirmed within {timeout}s")
-        self.stream.replace(generation)
+        self._stream.replace(generation)
 
     def _go_unavailable(self) -> None:
-        self.unavailable = True
+        self._unavailable = True
         self._log.error(
             "broker_unavailable",
-            seconds=self.settings.unavailable_timeout,
-            waiting=sum(1 for out in self.by_id.values() if not out.finished),
+            seconds=self._settings.unavailable_timeout,
+            waiting=sum(1 for out in self._ledger.admitted() if not out.finished),
         )
-        self.window.fail_waiters(Unavailable())
-        for out in list(self.by_id.values()):
+        self._window.fail_waiters(Unavailable())
+        for out in self._ledger.admitted():
             if not out.finished and out.tag == 0:
-                self.fail(out, self.unavailable_error(out))
+                self._fail(out, self.unavailable_error(out))
 
     def abort(self, why: str = "") -> int:
         """Fail every caller without an outcome with PublishAborted, now; return how many.
@@ -628,16 +653,16 @@ class Engine:
         error's default wording ("publisher closed before a confirm").
         """
         count = self.pending
-        if not self.aborting:
-            self.abort_reason = why
-        self.aborting = True
-        self.window.fail_waiters(Aborted())
-        for out in list(self.by_id.values()):
+        if not self._aborting:
+            self._abort_reason = why
+        self._aborting = True
+        self._window.fail_waiters(Aborted())
+        for out in self._ledger.admitted():
             if not out.finished:
-                self.fail(out, self.aborted_error(out))
-        for out in list(self.by_id.values()):
+                self._fail(out, self.aborted_error(out))
+        for out in self._ledger.admitted():
             out.tag = 0
-            self._release(out)
+            self._ledger.release(out)
         return count
 
 

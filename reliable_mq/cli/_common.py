@@ -24,6 +24,10 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from .._amqp.faults import AMQP_ERRORS, FaultKind, classify
+
+# TODO(issue 20, the seam): take the decoder through the seam's interface
+# (reliable_mq._amqp), not its inbound module: the import-linter contract
+# "integrations-use-interfaces" lists this import until then.
 from .._amqp.inbound import take_frames
 from ..connection import ConnectionSupervisor
 from ..metrics import Metrics

@@ -1,5 +1,10 @@
 """``consume``: print or save the messages of a queue, settling each exactly once.
 
+A face over [`ReliableConsumer`][reliable_mq.consumer.ReliableConsumer]: its one
+handler consumes the queue as it is (``queue_only``: nothing declared, every
+delivery as it came) and hands each delivery to the writer below, which settles
+it (``AckPolicy.MANUAL``) once it is written.
+
 Each message is written (and, with ``--output``, flushed and fsynced) *before*
 it is settled, so ``--ack-mode ack`` never removes a message that did not reach
 the output. Into a pipe (``| head -3``), "reached" means taken by the reader:
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import fcntl
 import json
@@ -27,8 +33,13 @@ import sys
 import termios
 from typing import IO, Any
 
-from aio_pika.abc import AbstractIncomingMessage
+from prometheus_client import CollectorRegistry
 
+from ..consumer import ReliableConsumer
+from ..delivery import Delivery, Settle
+from ..errors import ConsumerError
+from ..handlers import AckPolicy
+from ..settings import ConsumerSettings
 from ._common import (
     EXIT_BROKEN_PIPE,
     EXIT_FAILED,
@@ -36,9 +47,8 @@ from ._common import (
     CLIError,
     CommandFailed,
     StopSignals,
-    message_record,
-    open_connection,
-    open_queue,
+    connection_settings,
+    jsonable,
     positive_float,
     positive_int,
     prefetch_count,
@@ -102,15 +112,64 @@ def _open_output(path: str | None) -> IO[bytes]:
         raise CLIError(f"cannot write {path}: {exc.strerror}") from None
 
 
-def _render(message: AbstractIncomingMessage, as_json: bool) -> bytes:
+class _Taken:
+    """One delivery handed over by the consumer's handler, which waits until it is settled."""
+
+    __slots__ = ("delivery", "released")
+
+    def __init__(self, delivery: Delivery) -> None:
+        self.delivery = delivery
+        self.released = asyncio.get_running_loop().create_future()
+        """Set once the delivery is settled: its handler may return."""
+
+    def release(self) -> None:
+        if not self.released.done():
+            self.released.set_result(None)
+
+
+def delivery_record(delivery: Delivery) -> dict[str, Any]:
+    """One message as a JSON object: ids, routing, properties, headers and body.
+
+    The body is UTF-8 text when it decodes, else base64 with
+    ``"body_encoding": "base64"``.
+    """
+    properties = delivery.properties
+    record: dict[str, Any] = {
+        "message_id": delivery.message_id or None,
+        "exchange": delivery.exchange,
+        "routing_key": delivery.routing_key,
+        "redelivered": bool(delivery.redelivered),
+        "content_type": delivery.content_type,
+    }
+    for name, value in (
+        ("correlation_id", delivery.correlation_id),
+        ("reply_to", delivery.reply_to),
+        ("type", getattr(properties, "message_type", None)),
+        ("app_id", getattr(properties, "app_id", None)),
+    ):
+        if value:
+            record[name] = value
+    timestamp = getattr(properties, "timestamp", None)
+    if timestamp is not None:
+        record["timestamp"] = jsonable(timestamp)
+    record["headers"] = jsonable(delivery.headers or {})
+    try:
+        record["body"] = delivery.body.decode("utf-8")
+    except UnicodeDecodeError:
+        record["body"] = base64.b64encode(delivery.body).decode("ascii")
+        record["body_encoding"] = "base64"
+    return record
+
+
+def _render(delivery: Delivery, as_json: bool) -> bytes:
     """One line per message; control characters never reach the output raw.
 
     Text: the body with control characters (newlines too) escaped. JSON: ASCII
     only, everything else as ``\\u`` escapes.
     """
     if as_json:
-        return json.dumps(message_record(message), ensure_ascii=True).encode() + b"\n"
-    return printable(message.body).encode() + b"\n"
+        return json.dumps(delivery_record(delivery), ensure_ascii=True).encode() + b"\n"
+    return printable(delivery.body).encode() + b"\n"
 
 
 def _durable_flush(output: IO[bytes]) -> None:
@@ -175,7 +234,7 @@ class _PipeReader:
 async def _write(
     output: IO[bytes],
     reader: _PipeReader | None,
-    messages: list[AbstractIncomingMessage],
+    messages: list[Delivery],
     as_json: bool,
     stop: asyncio.Event,
 ) -> tuple[int, bool]:
@@ -212,13 +271,13 @@ def _silence_stdout() -> None:
 
 
 async def _next_batch(
-    inbox: asyncio.Queue[AbstractIncomingMessage | None],
+    inbox: asyncio.Queue[_Taken],
     stop: asyncio.Event,
     idle_timeout: float | None,
     room: int,
     reader: _PipeReader | None,
-) -> list[AbstractIncomingMessage | None] | None:
-    """Wait for at least one message (None: stop or idle), then take what is ready.
+) -> list[_Taken] | None:
+    """Wait for at least one delivery (None: stop or idle), then take what is ready.
 
     Raises:
         BrokenPipeError: the reader of the output left while we waited.
@@ -243,9 +302,111 @@ async def _next_batch(
         batch = [getter.result()]
     else:
         batch = [inbox.get_nowait()]
-    while len(batch) < room and not inbox.empty() and batch[-1] is not None:
+    while len(batch) < room and not inbox.empty():
         batch.append(inbox.get_nowait())
     return batch
+
+
+class _Run:
+    """One ``consume`` run: the consumer, its hand-over queue, and what it wrote."""
+
+    def __init__(self, args: argparse.Namespace, window: int, stop: asyncio.Event) -> None:
+        self.args = args
+        self.inbox: asyncio.Queue[_Taken] = asyncio.Queue()
+        self.taken: list[_Taken] = []
+        """Handed over and not settled yet: held (requeue mode), or not written."""
+        self.closing = False
+        self.failure: str | None = None
+        self.stop = stop
+        """Set by a signal, or when the consumer's channel is lost."""
+        self.consumer = ReliableConsumer(
+            connection_settings(args),
+            settings=ConsumerSettings(
+                prefetch=window,
+                concurrency=window,  # every delivery's handler waits for its settle
+                handler_timeout=None,
+            ),
+            registry=CollectorRegistry(),
+            dedup=None,
+            on_channel_lost=self._channel_lost,
+        )
+        self.consumer.add_handler(
+            args.queue, self._take, ack_policy=AckPolicy.MANUAL, queue_only=True
+        )
+
+    async def _take(self, delivery: Delivery) -> None:
+        """The consumer's handler: hand the delivery over, wait until it is settled."""
+        if self.closing:  # arrived while the command ends: back to the queue
+            await delivery.nack(requeue=True)
+            return
+        taken = _Taken(delivery)
+        self.taken.append(taken)
+        self.inbox.put_nowait(taken)
+        await taken.released
+
+    def _channel_lost(self, queue: str) -> None:
+        # Its deliveries are back in the queue already; a new channel would show
+        # the ones written but not settled a second time: stop instead.
+        self.failure = self.failure or "the channel to the broker closed"
+        self.stop.set()
+
+    async def settle(self, taken: _Taken, *, requeue: bool = False) -> None:
+        """Settle one delivery as the mode says (``requeue``: back to the queue), once."""
+        delivery = taken.delivery
+        try:
+            if requeue:
+                await delivery.nack(requeue=True)
+            elif self.args.ack_mode == "reject":
+                await delivery.nack(requeue=False)
+            else:
+                await delivery.ack()
+        finally:
+            taken.release()
+        if delivery.outcome is Settle.STALE:
+            self.failure = self.failure or "the channel to the broker closed"
+
+    async def finish(self) -> None:
+        """Return every delivery not settled yet to the queue, then stop the consumer."""
+        self.closing = True
+        for taken in self.taken:
+            if not taken.delivery.settled:
+                await self.settle(taken, requeue=True)
+            taken.release()
+        self.taken.clear()
+        await self.consumer.stop()
+
+
+async def _consume(run: _Run, output: IO[bytes], limit: int | None) -> tuple[int, bool]:
+    """Write and settle deliveries until done: (written, broken pipe)."""
+    args, window, stop = run.args, run.consumer.settings.prefetch, run.stop
+    written, broken_pipe = 0, False
+    reader = _PipeReader.of(output)
+    while (limit is None or written < limit) and not stop.is_set():
+        room = limit - written if limit is not None else window
+        try:
+            batch = await _next_batch(run.inbox, stop, args.idle_timeout, room, reader)
+        except BrokenPipeError:
+            return written, True
+        if batch is None:
+            break
+        live = [taken for taken in batch if not taken.delivery.settled]
+        if len(live) < len(batch):  # settled stale meanwhile: its channel is gone
+            run.failure = run.failure or "the channel to the broker closed"
+            break
+        try:
+            count, broken_pipe = await _write(
+                output, reader, [taken.delivery for taken in live], args.json, stop
+            )
+        except OSError as exc:
+            run.failure = f"cannot write the output: {exc}"
+            break
+        for taken in live[:count]:
+            if args.ack_mode != "requeue":  # requeue: held until the end, then returned
+                await run.settle(taken)
+        written += count
+        if broken_pipe or run.failure is not None:
+            break
+    return written, broken_pipe
 
 
 async def run_consume(args: argparse.Namespace) -> int:
@@ -255,85 +416,22 @@ async def run_consume(args: argparse.Namespace) -> int:
     window = max(args.prefetch, args.count or 0) if requeue else args.prefetch
     window = min(window, 65535)
     limit: int | None = args.count if args.count else (window if requeue else None)
-    written = 0
-    held: list[AbstractIncomingMessage] = []
-    failure: str | None = None
-    broken_pipe = False
+    written, broken_pipe = 0, False
     signals = StopSignals().__enter__()
-    stop = signals.event
+    run = _Run(args, window, signals.event)
     try:
-        async with open_connection(args) as connection:
-            channel, queue, _ = await open_queue(connection, args.queue)
-            await channel.set_qos(prefetch_count=window)
-            inbox: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
-
-            def on_close(*_: Any) -> None:
-                inbox.put_nowait(None)
-
-            channel.close_callbacks.add(on_close)
-
-            async def on_message(message: AbstractIncomingMessage) -> None:
-                inbox.put_nowait(message)
-
-            consumer_tag = await queue.consume(on_message, no_ack=False)
-            pending: list[AbstractIncomingMessage] = []
-            reader = _PipeReader.of(output)
-            try:
-                while (limit is None or written < limit) and not stop.is_set():
-                    room = limit - written if limit is not None else window
-                    try:
-                        batch = await _next_batch(inbox, stop, args.idle_timeout, room, reader)
-                    except BrokenPipeError:
-                        broken_pipe = True
-                        _silence_stdout()
-                        break
-                    if batch is None:
-                        break
-                    messages = [m for m in batch if m is not None]
-                    pending = messages
-                    if len(messages) < len(batch):
-                        # The channel closed: its deliveries are back in the queue already.
-                        failure = "the channel to the broker closed"
-                        break
-                    try:
-                        taken, broken_pipe = await _write(output, reader, messages, args.json, stop)
-                    except OSError as exc:
-                        failure = f"cannot write the output: {exc}"
-                        break
-                    pending = messages[taken:]
-                    for message in messages[:taken]:
-                        if requeue:
-                            held.append(message)
-                        elif args.ack_mode == "reject":
-                            await message.nack(requeue=False)
-                        else:
-                            await message.ack()
-                    written += taken
-                    if broken_pipe:
-                        _silence_stdout()
-                        break
-                if channel.is_closed:
-                    failure = failure or "the channel to the broker closed"
-                else:
-                    # No new deliveries; whatever arrived but was not written goes back.
-                    await queue.cancel(consumer_tag)
-                    await asyncio.sleep(0)
-                    while not inbox.empty():
-                        extra = inbox.get_nowait()
-                        if extra is not None:
-                            pending.append(extra)
-                    for message in [*held, *pending]:
-                        if not message.processed:
-                            await message.nack(requeue=True)
-                    await channel.close()
-            except CommandFailed:
-                raise
-            except Exception as exc:
-                if not channel.is_closed:
-                    raise
-                failure = f"the channel to the broker closed: {exc}"
+        try:
+            await run.consumer.start()  # a failed start closes what it opened
+        except ConsumerError as exc:
+            raise CommandFailed(str(exc)) from None
+        try:
+            written, broken_pipe = await _consume(run, output, limit)
+        finally:
+            await run.finish()
     finally:
         signals.__exit__()
+        if broken_pipe:
+            _silence_stdout()
         if output is not sys.stdout.buffer:
             output.close()
     verb = {"ack": "acked", "requeue": "requeued (still in the queue)", "reject": "rejected"}
@@ -344,7 +442,7 @@ async def run_consume(args: argparse.Namespace) -> int:
     if broken_pipe:
         say("reliable-mq: output closed; unwritten messages stay in the queue")
         return EXIT_BROKEN_PIPE
-    if failure is not None:
-        say(f"reliable-mq: error: {failure}; unsettled messages return to the queue")
+    if run.failure is not None:
+        say(f"reliable-mq: error: {run.failure}; unsettled messages return to the queue")
         return EXIT_FAILED
     return signals.exit_code if signals.exit_code is not None else EXIT_OK

@@ -36,7 +36,7 @@ from aio_pika.abc import (
 from pamqp.commands import Basic
 from prometheus_client import CollectorRegistry
 
-from .._consume.copies import copy_properties
+from .._consume import copy_properties
 from ..errors import InvalidMessage, PublishError
 from ..headers import (
     ATTEMPT_HEADER,

@@ -38,8 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
     raise ImportError(missing_extra("PostgresDedupStore needs psycopg 3", "postgres")) from exc
 
-from ..outbox._dsn import error_text
-from ..outbox._schema import check_table_name
+from .._sql import check_table_name, error_text
 from .base import AlreadyProcessed, ClaimResult, DedupStoreUnavailable
 
 __all__ = ("PostgresDedupStore",)
@@ -114,7 +113,7 @@ class PostgresDedupStore:
             raise ValueError("retention must be positive")
         if pool_size < 1:
             raise ValueError("pool_size must be at least 1")
-        self.table = check_table_name(table)
+        self.table = check_table_name(table, what="dedup table")
         self.retention = float(retention)
         self._dsn = dsn
         self._sql = {

@@ -3,27 +3,12 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
-from ..settings import redact_credentials
+from .._sql import error_text, redact_dsn
 from ._schema import Dialect
 
 __all__ = ("describe_database", "dialect_of", "error_text", "redact_dsn", "sqlite_path")
-
-_KEYWORD_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-_URL_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&\s]*", re.IGNORECASE)
-
-
-def redact_dsn(text: str) -> str:
-    """Hide every password in ``text``: URL user info, ``password=`` keywords and query parameters.
-
-    Works on a DSN (``postgresql://u:pw@h/db``, ``host=h password=pw``) and on
-    free text quoting one (a driver's error message).
-    """
-    text = redact_credentials(text)
-    text = _URL_QUERY_PASSWORD.sub(r"\1***", text)
-    return _KEYWORD_PASSWORD.sub(r"\1***", text)
 
 
 def dialect_of(database: str | os.PathLike[str]) -> Dialect:
@@ -50,8 +35,3 @@ def describe_database(database: str | os.PathLike[str]) -> str:
     if dialect_of(database) is Dialect.SQLITE:
         return f"sqlite:{sqlite_path(database)}"
     return redact_dsn(os.fspath(database))
-
-
-def error_text(error: BaseException) -> str:
-    """A driver error as one line with every password hidden (libpq's span several lines)."""
-    return redact_dsn(" ".join(str(error).split()))

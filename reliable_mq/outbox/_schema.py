@@ -13,7 +13,8 @@ reason in ``last_error``, until the cleanup removes them.
 from __future__ import annotations
 
 import enum
-import re
+
+from .._sql import check_table_name as _check_table_name
 
 __all__ = (
     "DEFAULT_TABLE",
@@ -26,8 +27,6 @@ __all__ = (
 
 DEFAULT_TABLE = "reliable_mq_outbox"
 """The table's name unless you choose another (also the NOTIFY channel's)."""
-
-_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,47}(\.[a-z_][a-z0-9_]{0,47})?$")
 
 
 class Dialect(enum.StrEnum):
@@ -54,19 +53,12 @@ class RowState(enum.StrEnum):
 
 
 def check_table_name(table: str) -> str:
-    """Return ``table`` if it is a plain (optionally schema-qualified) lower-case identifier.
-
-    The name is put into SQL text, so nothing else is accepted.
+    """`reliable_mq._sql.check_table_name` for an outbox table.
 
     Raises:
-        ValueError: the name is not ``[a-z_][a-z0-9_]*`` (48 characters at most per part).
+        ValueError: the name is not a plain lower-case identifier.
     """
-    if not isinstance(table, str) or not _NAME.match(table):
-        raise ValueError(
-            f"outbox table name must be a lower-case identifier (optionally schema.table), "
-            f"not {table!r}"
-        )
-    return table
+    return _check_table_name(table, what="outbox table")
 
 
 def notify_channel(table: str) -> str:

@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._amqp.wire import encode_headers
 from .._codec import encode_body
+from .._publish import encode_headers
 from ..errors import InvalidMessage, MessageTooLarge
 from ._json import headers_json
 from ._schema import DEFAULT_TABLE, Dialect, check_table_name

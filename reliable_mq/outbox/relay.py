@@ -213,13 +213,8 @@ class OutboxRelay:
                 metrics_prefix=metrics_prefix,
             )
         metrics = Metrics.on(registry, metrics_prefix)
-        self._pending_gauge = metrics.outbox_pending.labels(self.table)
-        self._age_gauge = metrics.outbox_oldest_age.labels(self.table)
-        self._dispatched_counter = metrics.outbox_dispatched.labels(self.table)
-        self._retry_counter = metrics.outbox_failed.labels(self.table, RowOutcome.RETRY.value)
-        self._deferred_counter = metrics.outbox_failed.labels(self.table, RowOutcome.DEFERRED.value)
-        self._dead_counter = metrics.outbox_failed.labels(self.table, RowOutcome.DEAD.value)
-        self._batch_latency = metrics.outbox_batch_latency.labels(self.table)
+        self._counts = metrics.for_outbox(self.table, owner=self)
+        """What the relay counts, for ``stats()`` and Prometheus alike."""
         self._on_dispatched = on_dispatched
         self._log = get_logger(__name__).bind(
             relay=self.name, database=describe_database(database), table=self.table
@@ -228,12 +223,9 @@ class OutboxRelay:
         self._started = False
         self._next_stats = 0.0
         self._next_cleanup = 0.0
-        self._batches = self._dispatched = self._dead = self._retried = self._outages = 0
-        self._deferred = self._broker_outages = 0
+        self._batches = self._outages = self._broker_outages = 0
         self._broker_down = 0
         """Consecutive batches that met an unreachable broker (0: the last one did not)."""
-        self._pending = 0
-        self._oldest_age = 0.0
 
     def _make_backend(self, database: str | os.PathLike[str], lane: int) -> Backend:
         s = self.settings
@@ -323,9 +315,9 @@ class OutboxRelay:
         return True
 
     def _set_backlog(self, backlog: Backlog) -> None:
-        self._pending, self._oldest_age = backlog.pending, backlog.oldest_age
-        self._pending_gauge.set(backlog.pending)
-        self._age_gauge.set(backlog.oldest_age)
+        counts = self._counts
+        counts.pending, counts.oldest_age = backlog.pending, backlog.oldest_age
+        counts.flush()
 
     def stop(self) -> None:
         """Ask [run][reliable_mq.outbox.OutboxRelay.run] to return after the current batch."""
@@ -337,15 +329,17 @@ class OutboxRelay:
         return self._broker_down > 0
 
     def stats(self) -> RelayStats:
+        counts = self._counts
+        failed = counts.failed
         return RelayStats(
             batches=self._batches,
-            dispatched=self._dispatched,
-            dead=self._dead,
-            retried=self._retried,
+            dispatched=counts.dispatched,
+            dead=failed[RowOutcome.DEAD],
+            retried=failed[RowOutcome.RETRY],
             outages=self._outages,
-            pending=self._pending,
-            oldest_age=self._oldest_age,
-            deferred=self._deferred,
+            pending=counts.pending,
+            oldest_age=counts.oldest_age,
+            deferred=failed[RowOutcome.DEFERRED],
             broker_outages=self._broker_outages,
         )
 
@@ -556,20 +550,15 @@ class OutboxRelay:
         deferred = sum(1 for r in results if r.outcome is RowOutcome.DEFERRED)
         retried = len(results) - len(confirmed) - dead - deferred
         self._batches += 1
-        self._dispatched += len(confirmed)
-        self._dead += dead
-        self._retried += retried
-        self._deferred += deferred
         self._broker_down = self._broker_down + 1 if deferred else 0
-        if confirmed:
-            self._dispatched_counter.inc(len(confirmed))
-        if dead:
-            self._dead_counter.inc(dead)
-        if retried:
-            self._retry_counter.inc(retried)
-        if deferred:
-            self._deferred_counter.inc(deferred)
-        self._batch_latency.observe(seconds)
+        counts = self._counts
+        counts.dispatched += len(confirmed)
+        failed = counts.failed
+        failed[RowOutcome.DEAD] += dead
+        failed[RowOutcome.RETRY] += retried
+        failed[RowOutcome.DEFERRED] += deferred
+        counts.batch_latency.observe(seconds)
+        counts.flush()
         self._log.debug(
             "outbox_batch",
             rows=len(results),

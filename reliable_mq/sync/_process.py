@@ -20,12 +20,9 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ._publisher import BlockingPublisher
-
-__all__ = ("EXIT_MARGIN", "hold", "orphan", "release", "track")
+__all__ = ("EXIT_MARGIN", "ProcessBound", "hold", "orphan", "release", "track")
 
 EXIT_MARGIN = 2.0
 """Seconds past ``exit_timeout`` an at-exit close may take at most (closing the
@@ -33,12 +30,28 @@ connection, stopping the loop thread). After that the process exits anyway:
 the loop thread is a daemon."""
 
 
+class ProcessBound(Protocol):
+    """What the hooks call on a publisher they track (`BlockingPublisher` implements it).
+
+    The hooks know publishers only through this interface: they never import
+    the publisher's module (which imports them).
+    """
+
+    def _start_close_at_exit(self) -> Callable[[], None] | None:
+        """Begin closing at interpreter exit; return what waits for the end (None: nothing to)."""
+        ...
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: forget the parent's loop thread and connection."""
+        ...
+
+
 class _Registry:
     """The publishers of this process, and whether the hooks are installed."""
 
     def __init__(self) -> None:
-        self.instances: weakref.WeakSet[BlockingPublisher] = weakref.WeakSet()
-        self.open: set[BlockingPublisher] = set()
+        self.instances: weakref.WeakSet[ProcessBound] = weakref.WeakSet()
+        self.open: set[ProcessBound] = set()
         """Publishers with a runtime in this process, not closed yet (strong references)."""
         self.orphans: list[object] = []
         self.lock = threading.Lock()
@@ -48,7 +61,7 @@ class _Registry:
 _registry = _Registry()
 
 
-def track(publisher: BlockingPublisher) -> None:
+def track(publisher: ProcessBound) -> None:
     """Remember ``publisher`` for the exit and fork hooks (installed once)."""
     with _registry.lock:
         _registry.instances.add(publisher)
@@ -58,13 +71,13 @@ def track(publisher: BlockingPublisher) -> None:
             os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def hold(publisher: BlockingPublisher) -> None:
+def hold(publisher: ProcessBound) -> None:
     """Keep ``publisher`` alive until `release`: it has a connection to close at exit."""
     with _registry.lock:
         _registry.open.add(publisher)
 
 
-def release(publisher: BlockingPublisher) -> None:
+def release(publisher: ProcessBound) -> None:
     """``publisher`` is closed (or lost its parent's runtime in a child): drop the hold."""
     with _registry.lock:
         _registry.open.discard(publisher)

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 from typing_extensions import Unpack
 
-from .._amqp.wire import check_timeout
+from .._publish import check_timeout
 from ..errors import (
     BrokerUnavailable,
     ClosedError,
