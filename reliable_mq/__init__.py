@@ -23,6 +23,7 @@ from .errors import (
     PublishUnavailable,
     PublishUnroutable,
     ReliableMQError,
+    UnsupportedDependency,
     WouldDeadlock,
 )
 from .handlers import AckPolicy, Reject, Retry, Router
@@ -40,6 +41,7 @@ from .publisher import (
 from .settings import (
     ConnectionSettings,
     ConsumerSettings,
+    FastPath,
     PublisherSettings,
     TLSSettings,
     redact_url,
@@ -62,6 +64,7 @@ __all__ = (
     "ConsumerStats",
     "Delivery",
     "ExchangeNotFound",
+    "FastPath",
     "FlushTimeout",
     "InvalidBody",
     "InvalidMessage",
@@ -94,6 +97,7 @@ __all__ = (
     "Retry",
     "Router",
     "TLSSettings",
+    "UnsupportedDependency",
     "WouldDeadlock",
     "__version__",
     "configure_logging",

@@ -26,7 +26,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from .. import __version__
-from .._amqp.faults import AMQP_ERRORS, classify
+from ..connection import AMQP_ERRORS, classify
 from ..errors import BrokerUnavailable, InvalidSettings
 from ..log import get_logger
 from ._common import (
