@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, SecretStr, field_validator
 
-from reliable_mq import ConnectionSettings, _session
+from reliable_mq import ConnectionSettings
+from reliable_mq._consume import session as _session
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery
 from reliable_mq.handlers import Reject, Retry

@@ -18,7 +18,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, field_validator
 
-from reliable_mq import PublisherSettings, ReliablePublisher, _wire
+from reliable_mq import PublisherSettings, ReliablePublisher
+from reliable_mq._amqp import wire as _wire
 from reliable_mq._consume.settle import UNPUBLISHABLE_COPY
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.dedup import ClaimResult, MemoryDedupStore

@@ -34,8 +34,8 @@ from reliable_mq import (
     PublishResult,
     PublishUnavailable,
     ReliablePublisher,
-    _exchanges,
 )
+from reliable_mq._publish import exchanges as _exchanges
 from tests.conftest import wait_until
 from tests.support.amqp import drain_queue
 from tests.test_publisher import conn, fast_settings
