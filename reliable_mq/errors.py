@@ -107,7 +107,8 @@ class BrokerUnavailable(ReliableMQError, ConnectionError):
 class UnsupportedDependency(ReliableMQError, RuntimeError):
     """A dependency no longer has what the fast path relies on, and ``fast_path="on"``.
 
-    Raised when a connection opens (see [`ConnectionSettings.fast_path`][reliable_mq.settings.ConnectionSettings.fast_path]).
+    Raised when a connection opens (see ``fast_path`` in
+    [`ConnectionSettings`][reliable_mq.settings.ConnectionSettings]).
     With ``fast_path="auto"`` (the default) the library logs one warning and uses its
     plain path instead.
 

@@ -296,7 +296,7 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     consumer_api = (site / "reference" / "consumer" / "index.html").read_text()
     assert "ReliableConsumer" in consumer_api
     assert "AckTracker" not in consumer_api  # internals live on the How it works page
-    assert "_acks.py" in (site / "how-it-works" / "index.html").read_text()
+    assert "acks.py" in (site / "how-it-works" / "index.html").read_text()
     metrics_page = (site / "guides" / "metrics" / "index.html").read_text()
     assert "reliable_<wbr>mq_<wbr>confirmed_<wbr>messages_<wbr>total" in metrics_page
 

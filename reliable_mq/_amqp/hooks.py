@@ -227,7 +227,7 @@ def _check_receiver() -> str | None:
     if "frame_receiver" not in inspect.signature(reader).parameters:
         return "Connection.__reader no longer takes the frame_receiver"
     # Our get_frame, set on the instance, must be what the reader's loop calls.
-    receiver = receiver_class(asyncio.StreamReader())
+    receiver = receiver_class(object())  # its reader is not used here
     sentinel = object()
 
     async def get_frame() -> Any:
