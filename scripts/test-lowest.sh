@@ -2,8 +2,8 @@
 # The core suites against the LOWEST supported aio-pika, aiormq and pamqp: the floors
 # pyproject.toml declares (">=X"), installed exactly (==X) into a venv of their own,
 # .venv-lowest, with only what these suites need (no Spark). The whole suite runs
-# against the newest (scripts/test.sh). Extra arguments go to pytest instead of the
-# default suites.
+# against the newest (scripts/test.sh). Extra arguments (options, or test paths
+# instead of the default suites) go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="${PATH}:/usr/local/sbin:/usr/sbin:/sbin"
@@ -51,8 +51,8 @@ for pin in sys.argv[1:]:
 print("test-lowest:", ", ".join(f"{pin.split('==')[0]} {version(pin.split('==')[0])}" for pin in sys.argv[1:]))
 PYTHON
 
-if [ "$#" -eq 0 ]; then
-    set -- tests/test_seam.py tests/test_boundaries.py tests/test_wire.py tests/test_amqp_faults.py \
+if ! printf '%s\n' "$@" | grep -q '^tests'; then
+    set -- "$@" tests/test_seam.py tests/test_boundaries.py tests/test_wire.py tests/test_amqp_faults.py \
         tests/test_publisher.py tests/test_publisher_close.py tests/test_consumer_broker.py \
         tests/test_consumer_fast_path.py tests/test_copies.py tests/test_properties.py
 fi

@@ -294,3 +294,68 @@ class TestChangedAiormq:
                 assert isinstance(generation.channel, PlainConfirmChannel)
                 await publisher.publish(b"x", routing_key=queue)
         assert warnings_in(logs) == []
+
+
+@pytest.mark.rabbitmq
+class TestChangedChannel:
+    """The per-channel shapes are checked too: a channel's failed check is no quieter."""
+
+    @staticmethod
+    def _broken_channels(monkeypatch: pytest.MonkeyPatch) -> None:
+        failure = hooks.HookFailure(
+            "aiormq.Channel._get_frame", "aiormq", "channel.frames is no Queue"
+        )
+        monkeypatch.setattr(hooks, "check_channel", lambda channel: failure)
+
+    async def test_on_refuses_when_the_first_channel_opens(
+        self, broker_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        self._broken_channels(monkeypatch)
+        publisher = ReliablePublisher(
+            settings(broker_url, FastPath.ON), registry=CollectorRegistry()
+        )
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UnsupportedDependency, match=r"channel\.frames is no Queue"):
+            await publisher.start()
+        await publisher.close()
+        assert asyncio.get_running_loop().time() - started < 5  # at once, not at a timeout
+
+    async def test_auto_warns_and_the_channel_is_plain(
+        self, broker_url: str, queue: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        self._broken_channels(monkeypatch)
+        with structlog.testing.capture_logs() as logs:
+            async with ReliablePublisher(
+                settings(broker_url, FastPath.AUTO), registry=CollectorRegistry()
+            ) as publisher:
+                generation = publisher._engine.stream.current
+                assert generation is not None
+                assert isinstance(generation.channel, PlainConfirmChannel)
+                await publisher.publish(b"x", routing_key=queue)
+        (warning,) = warnings_in(logs)
+        assert warning["hook"] == "aiormq.Channel._get_frame"
+
+
+@pytest.mark.rabbitmq
+class TestPlainPathFidelity:
+    async def test_the_plain_path_sends_the_properties_as_encoded(
+        self, broker_url: str, queue: str, amqp: aio_pika.abc.AbstractChannel
+    ) -> None:
+        """Through aiormq's public basic_publish, the properties are still ours: a float
+        header stays a double (pamqp's own encoding narrows it to 32 bits)."""
+        async with ReliablePublisher(
+            settings(broker_url, FastPath.OFF), registry=CollectorRegistry()
+        ) as publisher:
+            await publisher.publish(
+                b"x",
+                routing_key=queue,
+                message_id="fidelity",
+                headers={"f": 0.1, "big": 2**40, "flag": True},
+            )
+        got = await (await amqp.get_queue(queue)).get(timeout=10)
+        assert got is not None
+        await got.ack()
+        headers = got.headers
+        assert headers["f"] == 0.1 and isinstance(headers["f"], float)
+        assert headers["big"] == 2**40 and headers["flag"] is True
+        assert got.message_id == "fidelity"

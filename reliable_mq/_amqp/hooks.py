@@ -411,10 +411,14 @@ def plain_lacks() -> str:
     return (
         "the plain path publishes through aiormq's Channel.basic_publish (a future and a "
         "lock per message: slower) and consumes through basic_consume (a task per "
-        "delivery); its frames are decoded by pamqp: a delivery whose strings are not "
-        "UTF-8 or whose timestamp is past the year 9999 closes the connection (the broker "
-        "redelivers it, and the consumer reconnects again and again) instead of being "
-        "dead-lettered, and a timestamp after 2106 reads as milliseconds"
+        "delivery). It lacks two protections: a publish racing the broker's channel.close "
+        "(a refused message, a deleted exchange) can reach the broker after close-ok, which "
+        "closes the whole connection (504; the publisher reconnects and republishes, "
+        "nothing is lost, but the connection's other channels drop); and frames are "
+        "decoded by pamqp: a delivery whose strings are not UTF-8 or whose timestamp is "
+        "past the year 9999 closes the connection (the broker redelivers it, and the "
+        "consumer reconnects again and again) instead of being dead-lettered, and a "
+        "timestamp after 2106 reads as milliseconds"
     )
 
 

@@ -52,10 +52,30 @@ class Link:
         fast: its channels take the fast paths (every hook verified).
     """
 
-    def __init__(self, connection: aiormq.Connection, *, fast: bool, receiver: Any = None) -> None:
+    def __init__(
+        self,
+        connection: aiormq.Connection,
+        *,
+        fast: bool,
+        receiver: Any = None,
+        mode: FastPath = FastPath.AUTO,
+    ) -> None:
         self._connection = connection
         self.fast = fast
         self._receiver = receiver
+        self._mode = mode
+
+    def _fast_channel(self, channel: aiormq.Channel) -> bool:
+        """Whether ``channel`` takes the fast path: its own shapes checked too (a failed
+        check warns, or refuses under ``on``, as the link's checks do)."""
+        if not self.fast:
+            return False
+        failure = hooks.check_channel(channel)
+        if failure is None:
+            return True
+        self.fast = False
+        hooks.resolve(self._mode, [failure])
+        return False
 
     def decode_frames(self) -> None:
         """Decode this connection's frames with ours from now on (on the fast path).
@@ -114,7 +134,12 @@ class Link:
         async with asyncio.timeout(timeout):
             opened = await self._connection.channel(publisher_confirms=True, on_return_raises=False)
         assert isinstance(opened, aiormq.Channel)
-        if self.fast and hooks.check_channel(opened) is None:
+        try:
+            fast = self._fast_channel(opened)
+        except BaseException:
+            await opened.close()
+            raise
+        if fast:
             return FastConfirmChannel(opened, events, self.frame_max)
         return PlainConfirmChannel(opened, events, self.frame_max)
 
@@ -123,7 +148,11 @@ class Link:
         self.decode_frames()
         opened = await self._connection.channel(publisher_confirms=False, timeout=timeout)
         assert isinstance(opened, aiormq.Channel)
-        fast = self.fast and hooks.check_channel(opened) is None
+        try:
+            fast = self._fast_channel(opened)
+        except BaseException:
+            await opened.close()
+            raise
         return ConsumeChannel(opened, fast=fast)
 
 
@@ -175,7 +204,7 @@ async def open_link(
     except BaseException:
         await _close_quietly(connection)
         raise
-    link = Link(connection, fast=fast, receiver=receiver)
+    link = Link(connection, fast=fast, receiver=receiver, mode=fast_path)
     if decode_frames:
         link.decode_frames()
     return link

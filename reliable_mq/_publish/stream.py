@@ -138,6 +138,12 @@ class StreamKeeper:
             await asyncio.shield(self._first_open)
 
     def _keeper_ended(self, task: asyncio.Task[None]) -> None:
+        first = self._first_open
+        if first is not None and not first.done():
+            # Failed before the first channel opened (an UnsupportedDependency, say):
+            # start() raises it now rather than at its timeout.
+            error = None if task.cancelled() else task.exception()
+            first.set_exception(error or ClosedError("the channel keeper stopped"))
         if self._closing or self.on_stopped is None:
             return
         self.on_stopped(task_end(task, "its channel keeper"))
