@@ -26,7 +26,7 @@ PYTHON
 [ "${#LOWEST[@]}" -eq 3 ] || { echo "test-lowest: expected 3 floors, got: ${LOWEST[*]}" >&2; exit 1; }
 TEST_DEPS=(
     "pytest>=8" "pytest-asyncio>=0.24" "pytest-timeout>=2.3" "hypothesis>=6.100"
-    "import-linter>=2.1"
+    "import-linter>=2.1" "pika>=1.3"  # pika: the other client in the property tests
 )
 
 if [ ! -x "$VENV/bin/python" ]; then

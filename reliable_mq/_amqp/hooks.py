@@ -70,7 +70,7 @@ _T = TypeVar("_T")
 SUPPORTED: dict[str, str] = {
     "aio-pika": ">=10.2.0,<11",
     "aiormq": ">=7.2.4,<8",
-    "pamqp": ">=4.0.0,<5",
+    "pamqp": ">=4.0.1,<5",
 }
 """The ranges CI tests (newest and lowest), as declared in pyproject.toml."""
 
