@@ -21,6 +21,7 @@ Run it directly (``python docs/gen_config.py``) to print the three tables.
 
 from __future__ import annotations
 
+import enum
 import html
 import importlib
 import inspect
@@ -86,6 +87,8 @@ def _default(field: FieldInfo) -> str:
             for item in value
         )
         return _code(", ".join(items))
+    if isinstance(value, enum.Enum):
+        return _code(repr(value.value))
     return _code(repr(value))
 
 

@@ -24,6 +24,7 @@ from .errors import (
     PublishUnavailable,
     PublishUnroutable,
     ReliableMQError,
+    UnsupportedDependency,
     WouldDeadlock,
 )
 from .handlers import AckPolicy, Reject, Retry, Router
@@ -41,6 +42,7 @@ from .publisher import (
 from .settings import (
     ConnectionSettings,
     ConsumerSettings,
+    FastPath,
     PublisherSettings,
     TLSSettings,
     redact_url,
@@ -61,6 +63,7 @@ __all__ = (
     "ConsumerStats",
     "Delivery",
     "ExchangeNotFound",
+    "FastPath",
     "FlushTimeout",
     "InvalidBody",
     "InvalidMessage",
@@ -93,6 +96,7 @@ __all__ = (
     "Retry",
     "Router",
     "TLSSettings",
+    "UnsupportedDependency",
     "WouldDeadlock",
     "__version__",
     "configure_logging",

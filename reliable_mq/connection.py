@@ -16,16 +16,25 @@ import logging
 import random
 from collections.abc import Callable, Iterator
 
-import aio_pika
-from aio_pika.abc import AbstractConnection
-
-from ._amqp.faults import AMQP_ERRORS, FaultKind, classify
+from ._amqp import AMQP_ERRORS, Channel, FaultKind, Got, Link, classify, open_link
 from .errors import BrokerUnavailable, ClosedError
 from .log import get_logger
 from .metrics import Metrics
 from .settings import BrokerAddress, ConnectionSettings, redact_credentials
 
-__all__ = ("ConnectionState", "ConnectionSupervisor")
+__all__ = (
+    "AMQP_ERRORS",
+    "Channel",
+    "ConnectionState",
+    "ConnectionSupervisor",
+    "FaultKind",
+    "Got",
+    "Link",
+    "classify",
+)
+"""The supervisor, and the part of the AMQP seam (`reliable_mq._amqp`) that tools
+built on it (the CLI, the Spark driver's checks) use: links, plain channels, the
+error map."""
 
 
 _CLOSE_ERRORS: tuple[type[BaseException], ...] = (*AMQP_ERRORS, RuntimeError)
@@ -86,15 +95,26 @@ class ConnectionSupervisor:
         settings: where and how to connect.
         role: a short word ("publisher", "consumer") added to the connection name.
         metrics: collectors for recoveries and the up/down gauge.
+        decode_frames: decode the connection's frames with reliable_mq's decoder
+            (a consumer's, a tool's: deliveries pamqp cannot decode are then
+            dead-lettered instead of closing the connection).
     """
 
-    def __init__(self, settings: ConnectionSettings, *, role: str, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: ConnectionSettings,
+        *,
+        role: str,
+        metrics: Metrics,
+        decode_frames: bool = False,
+    ) -> None:
         self._settings = settings
+        self._decode_frames = decode_frames
         self._name = f"{settings.connection_name}.{role}"
         self._metrics = metrics.for_connection(self._name, owner=self)
         self._log = get_logger(__name__).bind(connection=self._name)
         self._state = ConnectionState.IDLE
-        self._connection: AbstractConnection | None = None
+        self._connection: Link | None = None
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._address_index = 0
@@ -118,7 +138,7 @@ class ConnectionSupervisor:
         return self._state
 
     @property
-    def connection(self) -> AbstractConnection | None:
+    def connection(self) -> Link | None:
         """The open connection, or None while (re)connecting."""
         return self._connection if self._state is ConnectionState.CONNECTED else None
 
@@ -167,7 +187,7 @@ class ConnectionSupervisor:
         self._state = ConnectionState.CLOSED
         raise BrokerUnavailable("no broker accepted a connection: " + "; ".join(errors))
 
-    async def wait_connected(self) -> AbstractConnection:
+    async def wait_connected(self) -> Link:
         """Wait for an open connection (callers bound this with their own deadline).
 
         Raises:
@@ -235,26 +255,24 @@ class ConnectionSupervisor:
     def _advance_address(self) -> None:
         self._address_index = (self._address_index + 1) % len(self._settings.addresses)
 
-    async def _connect_once(self) -> AbstractConnection:
-        address = self._current_address()
-        url = address.url.update_query(
-            heartbeat=str(self._settings.heartbeat),
-            name=self._name,
-        )
+    async def _connect_once(self) -> Link:
+        settings = self._settings
+        url = self._current_address().url
         ssl_context = None
         if url.scheme == "amqps":
-            tls = self._settings.tls
-            ssl_context = tls.ssl_context() if tls else None
-        async with asyncio.timeout(self._settings.connect_timeout):
-            with _own_connect_errors():
-                return await aio_pika.connect(
-                    url,
-                    ssl_context=ssl_context,
-                    timeout=self._settings.connect_timeout,
-                    client_properties={"connection_name": self._name},
-                )
+            ssl_context = settings.tls.ssl_context() if settings.tls else None
+        with _own_connect_errors():
+            return await open_link(
+                url,
+                name=self._name,
+                heartbeat=settings.heartbeat,
+                ssl_context=ssl_context,
+                timeout=settings.connect_timeout,
+                fast_path=settings.fast_path,
+                decode_frames=self._decode_frames,
+            )
 
-    def _set_connected(self, connection: AbstractConnection) -> None:
+    def _set_connected(self, connection: Link) -> None:
         self._connection = connection
         self.generation += 1
         self.connected_at = asyncio.get_running_loop().time()
@@ -270,26 +288,9 @@ class ConnectionSupervisor:
         while self._state is not ConnectionState.CLOSED:
             connection = self._connection
             assert connection is not None
-            underlay = connection.transport.connection if connection.transport else None
-            reason = "closed"
-            broker_closed = False
-            if underlay is not None and not underlay.is_closed:
-                # Wait without awaiting the future itself: aiormq *cancels* it when
-                # it drops a connection for missed heartbeats (a silent link), and
-                # awaiting it would raise CancelledError here as if this task had
-                # been cancelled, ending supervision for good.
-                closing = underlay.closing
-                try:
-                    await asyncio.wait((closing,))
-                finally:
-                    if not closing.done():
-                        closing.cancel()  # we were cancelled: detach the observer
-                if closing.cancelled():
-                    reason = "aborted (no frames within the heartbeat grace: link stuck)"
-                elif (exc := closing.exception()) is not None:
-                    reason = _describe(exc)
-                    fault = classify(exc)
-                    broker_closed = fault is not None and fault.broker_initiated
+            end = await connection.wait_closed()
+            reason = end.reason
+            broker_closed = end.fault is not None and end.fault.broker_initiated
             if self._closed():
                 return
             self._connection = None

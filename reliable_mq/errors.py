@@ -9,6 +9,7 @@ ReliableMQError
 ├── InvalidMessage             (also ValueError)   a message that cannot be sent as given
 │   └── InvalidBody            (also TypeError)    a body reliable_mq cannot encode
 ├── BrokerUnavailable          (also ConnectionError) no broker address accepted a connection
+├── UnsupportedDependency      (also RuntimeError) fast_path="on" and aiormq/pamqp changed under us
 ├── ClosedError                                   the publisher/consumer was closed
 ├── FlushTimeout               (also TimeoutError) flush() ran out of time
 ├── PublishError                                  one message's outcome was not "confirmed"
@@ -53,6 +54,7 @@ __all__ = (
     "PublishUnavailable",
     "PublishUnroutable",
     "ReliableMQError",
+    "UnsupportedDependency",
     "WouldDeadlock",
 )
 
@@ -100,6 +102,32 @@ class InvalidBody(InvalidMessage, TypeError):
 
 class BrokerUnavailable(ReliableMQError, ConnectionError):
     """No broker address accepted a connection (addresses are shown redacted)."""
+
+
+class UnsupportedDependency(ReliableMQError, RuntimeError):
+    """A dependency no longer has what the fast path relies on, and ``fast_path="on"``.
+
+    Raised when a connection opens (see ``fast_path`` in
+    [`ConnectionSettings`][reliable_mq.settings.ConnectionSettings]).
+    With ``fast_path="auto"`` (the default) the library logs one warning and uses its
+    plain path instead.
+
+    Attributes:
+        dependency: the distribution (``aiormq``, ``pamqp``).
+        installed: its installed version.
+        supported: the range reliable_mq supports and CI tests.
+        problem: which hook failed its check, and how.
+    """
+
+    def __init__(self, dependency: str, installed: str, supported: str, problem: str) -> None:
+        self.dependency = dependency
+        self.installed = installed
+        self.supported = supported
+        self.problem = problem
+        super().__init__(
+            f"{dependency} {installed} is installed; reliable_mq's fast path supports "
+            f"{dependency}{supported}: {problem}"
+        )
 
 
 class ClosedError(ReliableMQError):

@@ -8,6 +8,7 @@ the input (a URL may carry a password).
 
 from __future__ import annotations
 
+import enum
 import re
 import ssl
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ __all__ = (
     "BrokerAddress",
     "ConnectionSettings",
     "ConsumerSettings",
+    "FastPath",
     "PublisherSettings",
     "TLSSettings",
     "redact_credentials",
@@ -72,6 +74,18 @@ class BrokerAddress:
         return f"BrokerAddress({self.redacted!r})"
 
     __str__ = __repr__
+
+
+class FastPath(enum.StrEnum):
+    """Whether to use the fast paths below aiormq's public API (see `ConnectionSettings.fast_path`)."""
+
+    AUTO = "auto"
+    """Check every hook when a connection opens; if one fails, warn once per process and
+    use the plain path."""
+    ON = "on"
+    """Check every hook; if one fails, refuse with `UnsupportedDependency`."""
+    OFF = "off"
+    """The plain path: aiormq's public ``basic_publish`` and ``basic_consume``."""
 
 
 class _Settings(BaseSettings):
@@ -132,6 +146,11 @@ class ConnectionSettings(_Settings):
     username: str | None = Field(default=None, description="overrides the user")
     password: SecretStr | None = Field(default=None, description="overrides the password")
     virtual_host: str | None = Field(default=None, description="overrides the vhost")
+    fast_path: FastPath = Field(
+        default=FastPath.AUTO,
+        description="the fast paths below aiormq's public API: auto (checked, with a "
+        "warned fallback), on (checked, or refuse), off (the plain path)",
+    )
 
     @field_validator("url", mode="before")
     @classmethod

@@ -22,7 +22,6 @@ the hop back cannot lose a message.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import enum
 import re
@@ -30,10 +29,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from aio_pika.abc import AbstractChannel, AbstractConnection
 from prometheus_client import CollectorRegistry
 
-from ._amqp.faults import AMQP_ERRORS, Fault, FaultKind, classify
+from ._amqp import (
+    AMQP_ERRORS,
+    Channel,
+    ChannelOpener,
+    Fault,
+    FaultKind,
+    Link,
+    UserChannel,
+    UserConnection,
+    classify,
+    is_user_channel,
+    user_channel,
+    user_connection,
+)
 from .connection import ConnectionSupervisor
 from .errors import ConsumerError
 from .metrics import Metrics
@@ -149,7 +160,7 @@ class QueueTopology:
 
 
 async def declare_topology(
-    target: AbstractChannel | str | ConnectionSettings, topology: QueueTopology | str
+    target: UserChannel | str | ConnectionSettings, topology: QueueTopology | str
 ) -> None:
     """Declare (idempotently) every queue of ``topology``, all durable.
 
@@ -169,26 +180,31 @@ async def declare_topology(
     """
     if isinstance(topology, str):
         topology = QueueTopology(topology)
-    if isinstance(target, AbstractChannel):
-        try:
-            await _declare_all(target, topology)
-        except AMQP_ERRORS as exc:
-            fault = classify(exc)
-            if fault is None or not fault.refusal:
-                raise
-            raise ConsumerError(
-                f"cannot declare the queues of {topology.queue!r}: {fault.describe()}"
-            ) from None
+    if is_user_channel(target):
+        await _declare_refused(await user_channel(target), topology)
         return
-    async with _connection(target) as connection:
-        channel = await connection.channel(publisher_confirms=False)
+    async with _connection(target) as link:
+        channel = await link.channel()
         try:
-            await declare_topology(channel, topology)
+            await _declare_refused(channel, topology)
         finally:
-            await _close_quietly(channel)
+            await channel.close()
 
 
-async def _declare_all(channel: AbstractChannel, topology: QueueTopology) -> None:
+async def _declare_refused(channel: Channel, topology: QueueTopology) -> None:
+    """`_declare_all`, a refusal raised as `ConsumerError`."""
+    try:
+        await _declare_all(channel, topology)
+    except AMQP_ERRORS as exc:
+        fault = classify(exc)
+        if fault is None or not fault.refusal:
+            raise
+        raise ConsumerError(
+            f"cannot declare the queues of {topology.queue!r}: {fault.describe()}"
+        ) from None
+
+
+async def _declare_all(channel: Channel, topology: QueueTopology) -> None:
     await channel.declare_queue(
         topology.dead_letter_queue, durable=True, arguments=topology.dead_letter_queue_arguments()
     )
@@ -203,10 +219,16 @@ async def _declare_all(channel: AbstractChannel, topology: QueueTopology) -> Non
     )
 
 
-async def delete_topology(channel: AbstractChannel, topology: QueueTopology) -> None:
-    """Delete every queue of ``topology`` (their messages are lost; for tests and tooling)."""
+async def delete_topology(channel: UserChannel, topology: QueueTopology) -> None:
+    """Delete every queue of ``topology`` (their messages are lost; for tests and tooling).
+
+    Args:
+        channel: an open aio-pika channel.
+        topology: the queue set.
+    """
+    ours = await user_channel(channel)
     for name in topology.all_queues:
-        await channel.queue_delete(name)
+        await ours.delete_queue(name)
 
 
 # -- bring your own queue --------------------------------------------------------------
@@ -292,9 +314,7 @@ class _Learnt:
     complete: bool = False
 
 
-async def _learn_queue(
-    connection: AbstractConnection, topology: QueueTopology, fault: Fault
-) -> _Learnt:
+async def _learn_queue(connection: ChannelOpener, topology: QueueTopology, fault: Fault) -> _Learnt:
     """Redeclare with each value a refusal names until the broker accepts the declaration.
 
     A 406 names one differing argument at a time, with the queue's value. An
@@ -399,16 +419,8 @@ def _first_difference(fault: Fault, topology: QueueTopology) -> str:
     return ""
 
 
-async def _close_quietly(channel: AbstractChannel) -> None:
-    if channel.is_closed:
-        return
-    with contextlib.suppress(*AMQP_ERRORS, RuntimeError):
-        async with asyncio.timeout(5):
-            await channel.close()
-
-
 async def _declare_one(
-    connection: AbstractConnection,
+    connection: ChannelOpener,
     name: str,
     *,
     passive: bool = False,
@@ -417,9 +429,9 @@ async def _declare_one(
     auto_delete: bool = False,
 ) -> tuple[tuple[int, int] | None, Fault | None]:
     """Declare ``name`` on a channel of its own: ((messages, consumers), None) or (None, refusal)."""
-    channel = await connection.channel(publisher_confirms=False)
+    channel = await connection.channel()
     try:
-        queue = await channel.declare_queue(
+        info = await channel.declare_queue(
             name, durable=durable, auto_delete=auto_delete, passive=passive, arguments=arguments
         )
     except AMQP_ERRORS as exc:
@@ -428,13 +440,12 @@ async def _declare_one(
             raise
         return None, fault
     finally:
-        await _close_quietly(channel)
-    result = queue.declaration_result
-    return (int(result.message_count or 0), int(result.consumer_count or 0)), None
+        await channel.close()
+    return (info.messages, info.consumers), None
 
 
 async def prepare_topology(
-    connection: AbstractConnection,
+    connection: Link | UserConnection,
     topology: QueueTopology,
     *,
     declare: bool = True,
@@ -463,26 +474,33 @@ async def prepare_topology(
 
     Every declaration runs on a channel of its own (a refusal closes it).
 
+    Args:
+        connection: an open aio-pika connection (or one of reliable_mq's own).
+        topology: the queue set.
+        declare: declare what is missing (else only check that it exists).
+        queue_only: only check, passively, that the work queue exists.
+
     Raises:
         ConsumerError: a queue is missing (``declare=False``), a retry queue or the
             DLQ exists with other arguments, or the broker refused a declaration;
             the message names the queue and what to do.
     """
+    opener = connection if isinstance(connection, Link) else user_connection(connection)
     if queue_only:
-        counts, fault = await _declare_one(connection, topology.queue, passive=True)
+        counts, fault = await _declare_one(opener, topology.queue, passive=True)
         if fault is not None or counts is None:
             if fault is not None and fault.kind is not FaultKind.NOT_FOUND:
                 raise ConsumerError(f"cannot check queue {topology.queue!r}: {fault.describe()}")
             raise ConsumerError(f"queue {topology.queue!r} does not exist")
         return QueueCheck(topology.queue, *counts)
     if not declare:
-        return await _check_existing(connection, topology)
+        return await _check_existing(opener, topology)
     side = [(topology.dead_letter_queue, topology.dead_letter_queue_arguments())] + [
         (topology.retry_queue(d), topology.retry_queue_arguments(d))
         for d in sorted(set(topology.retry_delays))
     ]
     for name, arguments in side:
-        _, fault = await _declare_one(connection, name, arguments=arguments)
+        _, fault = await _declare_one(opener, name, arguments=arguments)
         if fault is not None:
             raise ConsumerError(
                 f"cannot declare {name!r}, a queue of {topology.queue!r}'s set: "
@@ -491,18 +509,18 @@ async def prepare_topology(
                 f"{topology.queue} --delete`) or use the same settings"
             )
     counts, fault = await _declare_one(
-        connection, topology.queue, arguments=topology.work_queue_arguments()
+        opener, topology.queue, arguments=topology.work_queue_arguments()
     )
     if fault is None:
         assert counts is not None
         return QueueCheck(topology.queue, *counts)
     if fault.reply_code != 406:
         raise ConsumerError(f"cannot declare queue {topology.queue!r}: {fault.describe()}")
-    counts, passive_fault = await _declare_one(connection, topology.queue, passive=True)
+    counts, passive_fault = await _declare_one(opener, topology.queue, passive=True)
     if passive_fault is not None or counts is None:
         reason = passive_fault.describe() if passive_fault else fault.describe()
         raise ConsumerError(f"cannot use queue {topology.queue!r}: {reason}")
-    learnt = await _learn_queue(connection, topology, fault)
+    learnt = await _learn_queue(opener, topology, fault)
     return QueueCheck(
         topology.queue,
         *counts,
@@ -513,7 +531,7 @@ async def prepare_topology(
     )
 
 
-async def _check_existing(connection: AbstractConnection, topology: QueueTopology) -> QueueCheck:
+async def _check_existing(connection: ChannelOpener, topology: QueueTopology) -> QueueCheck:
     counts: tuple[int, int] | None = None
     missing: list[str] = []
     for name in topology.all_queues:
@@ -542,7 +560,7 @@ async def _check_existing(connection: AbstractConnection, topology: QueueTopolog
 
 
 @contextlib.asynccontextmanager
-async def _connection(settings: str | ConnectionSettings) -> AsyncIterator[AbstractConnection]:
+async def _connection(settings: str | ConnectionSettings) -> AsyncIterator[Link]:
     settings = ConnectionSettings.of(settings)
     supervisor = ConnectionSupervisor(
         settings, role="topology", metrics=Metrics.on(CollectorRegistry())

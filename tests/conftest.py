@@ -44,6 +44,16 @@ def _structlog_left_as_found() -> Iterator[None]:
         structlog.reset_defaults()
 
 
+@pytest.fixture(autouse=True)
+def _fast_path_where_tested(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test of a protection only the fast path has (``@pytest.mark.fast_path``) runs on
+    the fast path, even in CI's plain-path run (``RELIABLE_MQ_FAST_PATH=off``)."""
+    if request.node.get_closest_marker("fast_path") is not None:
+        monkeypatch.setenv("RELIABLE_MQ_FAST_PATH", "auto")
+
+
 @pytest.fixture(scope="session")
 def broker_url() -> str:
     """The shared broker's URL, after a real AMQP handshake succeeded."""

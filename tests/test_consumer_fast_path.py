@@ -40,13 +40,13 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from reliable_mq import ConnectionSettings
+from reliable_mq._amqp.hooks import find_receiver
 from reliable_mq._amqp.inbound import (
     UndecodableDeliver,
     UndecodableHeader,
-    _content_header,
     _decode_escaped,
     _deliver,
-    _receiver,
+    content_header,
     decode_frame,
 )
 from reliable_mq.consumer import ReliableConsumer
@@ -132,7 +132,7 @@ def _refused_by_ours(data: bytes) -> bool:
     """Neither of our readers takes this delivery frame: it is damaged (pamqp decides)."""
     payload = data[7:-1]
     try:
-        decoded = _deliver(payload) if data[0] == 1 else _content_header(payload)
+        decoded = _deliver(payload) if data[0] == 1 else content_header(payload)
     except Exception:
         return _decode_escaped(data[0], data[7:]) is None
     return decoded is None
@@ -560,10 +560,10 @@ class TestOnTheBroker:
             return None
 
         async with consumer:
-            connection = consumer._supervisor.connection
-            assert connection is not None and connection.transport is not None
-            receiver = _receiver(connection.transport.connection)
-            assert receiver is not None, "aiormq's frame receiver was not found"
+            link = consumer._supervisor.connection
+            assert link is not None and link.fast
+            receiver, failure = find_receiver(link._connection)
+            assert failure is None, failure
             assert "get_frame" in vars(receiver), "the receiver still decodes with aiormq's code"
 
     async def test_bodies_and_properties_arrive_intact(self, env: Env) -> None:

@@ -218,6 +218,7 @@ _hypothesis = settings(
 
 
 class TestEveryHop:
+    @pytest.mark.fast_path
     @_hypothesis
     @given(batch=st.lists(pika_properties(), min_size=2, max_size=8))
     @example(batch=[ISSUE_EXAMPLE, dict.fromkeys(PROPERTIES)])
@@ -276,6 +277,7 @@ async def consume(queue: str, count: int) -> dict[bytes, dict[str, Any]]:
 
 
 class TestTimestamps:
+    @pytest.mark.fast_path
     async def test_after_2106_both_ways(self, broker_url: str) -> None:
         """Defect 2: datetime(2200, 1, 1), sent by pika or by us, as the property and as a
         ``T`` header value, reads as 2200 (it read as 1970-03-26 00:08:38.4)."""
@@ -300,6 +302,7 @@ class TestTimestamps:
             assert seen[body]["timestamp"] == when, body
             assert seen[body]["headers"] == headers, body
 
+    @pytest.mark.fast_path
     async def test_a_timestamp_past_9999_is_an_invalid_properties_dead_letter(
         self, broker_url: str
     ) -> None:

@@ -181,7 +181,7 @@ class TestStreaming:
         async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
             generation = publisher._engine._stream.current
             assert generation is not None
-            channel = generation.channel
+            channel = generation.channel._channel  # aiormq's, under the seam's
             original = channel._on_confirm_frame
 
             async def spy(frame: Basic.Ack | Basic.Nack) -> None:

@@ -257,6 +257,7 @@ class TestMissingExchange:
                 await amqp.exchange_delete(missing)
         assert [m.body for m in await drain_queue(broker_url, queue)] == [b"now"]
 
+    @pytest.mark.fast_path
     async def test_exchange_deleted_mid_stream(
         self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, queue: str
     ) -> None:
@@ -305,6 +306,7 @@ class TestMissingExchange:
         confirmed = {k for k, o in outcomes.items() if isinstance(o, PublishResult)}
         assert confirmed <= delivered
 
+    @pytest.mark.fast_path
     async def test_deleting_one_exchange_spares_the_other(
         self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, queue: str
     ) -> None:
@@ -503,6 +505,7 @@ class TestBatches:
 class TestPrivateBroker:
     """Faults that need a broker of our own: settings changed, or the node stopped."""
 
+    @pytest.mark.fast_path
     async def test_unnamed_refusal_is_isolated(self, private_broker: Any) -> None:
         """A 406 that names no exchange (message over the broker's max_message_size):
         the culprit is found by halves and fails alone; every other message confirms."""

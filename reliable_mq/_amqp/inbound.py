@@ -22,9 +22,10 @@ and close handlers on its own channel:
   before, and read and decode errors are raised as aiormq raises them. Frames
   are still handed to aiormq's reader loop one by one, so channel 0, RPC
   replies, closes and the frames of other channels are handled by aiormq,
-  unchanged. aiormq exposes no hook for its receiver: we find it among the
-  locals of the connection's reader coroutine. Where that fails (another
-  aiormq, another Python), nothing is replaced and aiormq decodes as before.
+  unchanged. aiormq exposes no hook for its receiver: `reliable_mq._amqp.hooks`
+  finds it (the argument of the connection's reader coroutine, checked to be
+  aiormq's ``Connection.__reader`` over a ``FrameReceiver``) when the link
+  opens; where that check fails, the link takes the plain path, with a warning.
 * **Deliveries** (`take_deliveries`): aiormq's ``_on_deliver_frame`` reads the
   content into a ``BytesIO``, wraps it in a ``DeliveredMessage`` and starts a
   Task per delivery through its future store (a wrapper object, two sets and
@@ -58,8 +59,6 @@ them when the channel closes: the consumer does (see
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import struct
 import weakref
 from collections.abc import Callable
@@ -68,11 +67,11 @@ from typing import Any, Protocol, TypeVar
 
 import aiormq
 import pamqp.frame
-from aiormq.abc import AbstractConnection
 from pamqp.body import ContentBody
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
+from . import hooks
 from .faults import reader_error
 from .fields import A_ARRAY, F_TABLE, T_TIMESTAMP, read_scalar, read_table, timestamp_of
 
@@ -81,6 +80,7 @@ __all__ = (
     "Undecodable",
     "UndecodableDeliver",
     "UndecodableHeader",
+    "content_header",
     "decode_frame",
     "take_deliveries",
     "take_frames",
@@ -128,9 +128,11 @@ decode. It must not raise (an exception closes the channel)."""
 
 
 def take_deliveries(channel: aiormq.Channel, on_delivery: OnDelivery) -> None:
-    """Replace ``channel``'s delivery handler: each delivery goes to ``on_delivery``."""
-    frames = channel.frames
-    get_frame = channel._get_frame
+    """Replace ``channel``'s delivery handler: each delivery goes to ``on_delivery``.
+
+    The caller checked the hooks (`reliable_mq._amqp.hooks.check_channel`).
+    """
+    frames, get_frame = hooks.channel_frames(channel)
     consumers = channel.consumers
     plain_deliver, plain_header = Basic.Deliver, ContentHeader  # not undecodable ones
 
@@ -170,7 +172,7 @@ def take_deliveries(channel: aiormq.Channel, on_delivery: OnDelivery) -> None:
             else:
                 on_delivery(frame, header.properties, body, _undecodable(frame, header))
 
-    channel._on_deliver_frame = on_deliver  # type: ignore[method-assign]
+    hooks.install_deliver_handler(channel, on_deliver)
 
 
 def _undecodable(frame: Basic.Deliver, header: ContentHeader) -> Undecodable | None:
@@ -205,25 +207,33 @@ _TIMESTAMP = struct.Struct(">Q")
 _METHOD, _HEADER, _BODY = 1, 2, 3
 _FRAME_END = 0xCE
 _DELIVER = struct.pack(">HH", 60, 60)
-_PROPERTIES = tuple(
-    (name, Basic.Properties.flags[name], Basic.Properties.amqp_type(name))
-    for name in Basic.Properties.__slots__
+_PROPERTIES = (  # AMQP 0-9-1 basic properties in wire order: pamqp's slot name, flag, type
+    ("content_type", 1 << 15, "shortstr"),
+    ("content_encoding", 1 << 14, "shortstr"),
+    ("headers", 1 << 13, "table"),
+    ("delivery_mode", 1 << 12, "octet"),
+    ("priority", 1 << 11, "octet"),
+    ("correlation_id", 1 << 10, "shortstr"),
+    ("reply_to", 1 << 9, "shortstr"),
+    ("expiration", 1 << 8, "shortstr"),
+    ("message_id", 1 << 7, "shortstr"),
+    ("timestamp", 1 << 6, "timestamp"),
+    ("message_type", 1 << 5, "shortstr"),
+    ("user_id", 1 << 4, "shortstr"),
+    ("app_id", 1 << 3, "shortstr"),
+    ("cluster_id", 1 << 2, "shortstr"),
 )
 _taken: weakref.WeakSet[Any] = weakref.WeakSet()  # receivers whose get_frame is ours
 
 
-def take_frames(connection: AbstractConnection) -> bool:
-    """Decode ``connection``'s frames with `decode_frame` from now on (once per connection).
+def take_frames(receiver: Any) -> None:
+    """Decode with `decode_frame` from now on the frames ``receiver`` reads (once each).
 
-    Returns:
-        True if ours decodes them; False if aiormq's receiver could not be
-        found (it then goes on decoding, as before).
+    ``receiver``: aiormq's frame receiver of a connection, found and checked by
+    `reliable_mq._amqp.hooks.find_receiver`.
     """
-    receiver = _receiver(connection)
-    if receiver is None:
-        return False
     if receiver in _taken:
-        return True
+        return
     reader = receiver.reader
 
     async def get_frame() -> tuple[int, int, Any]:
@@ -239,24 +249,8 @@ def take_frames(connection: AbstractConnection) -> bool:
                 raise
             raise mapped from exc
 
-    receiver.get_frame = get_frame
+    hooks.install_frame_decoder(receiver, get_frame)
     _taken.add(receiver)
-    return True
-
-
-def _receiver(connection: AbstractConnection) -> Any:
-    """aiormq's ``FrameReceiver`` of ``connection``: a local of its reader coroutine."""
-    with contextlib.suppress(Exception):
-        task = getattr(connection, "_reader_task", None)
-        task = getattr(task, "task", task)  # aiormq wraps it in a TaskWrapper
-        if isinstance(task, asyncio.Task) and not task.done():
-            frame = task.get_coro().cr_frame  # type: ignore[union-attr]
-            receiver = frame.f_locals.get("frame_receiver") if frame is not None else None
-            if isinstance(receiver, aiormq.connection.FrameReceiver) and isinstance(
-                getattr(receiver, "reader", None), asyncio.StreamReader
-            ):
-                return receiver
-    return None
 
 
 def decode_frame(head: bytes, rest: bytes) -> tuple[int, int, Any]:
@@ -286,7 +280,7 @@ def decode_frame(head: bytes, rest: bytes) -> tuple[int, int, Any]:
             if kind == _METHOD and payload.startswith(_DELIVER):
                 return used, channel, _deliver(payload)
             if kind == _HEADER:
-                header = _content_header(payload)
+                header = content_header(payload)
                 if header is not None:
                     return used, channel, header
         except Exception:  # a string not UTF-8, a bad timestamp, or a damaged frame
@@ -336,12 +330,14 @@ _H = TypeVar("_H", bound=ContentHeader)
 
 def _deliver(data: bytes) -> Basic.Deliver:
     # As pamqp: no validation of what came in.
-    return _read_deliver(Basic.Deliver.__new__(Basic.Deliver), data, _STRICT)
+    deliver: Basic.Deliver = _read_deliver(hooks.new_frame(Basic.Deliver), data, _STRICT)
+    return deliver
 
 
-def _content_header(data: bytes) -> ContentHeader | None:
-    """A content header with one flag word (None: more, pamqp decodes it)."""
-    return _read_header(ContentHeader.__new__(ContentHeader), data, _STRICT)
+def content_header(data: bytes) -> ContentHeader | None:
+    """A content header payload with one flag word, decoded (None: more, pamqp decodes it)."""
+    header: ContentHeader | None = _read_header(hooks.new_frame(ContentHeader), data, _STRICT)
+    return header
 
 
 def _read_deliver(frame: _D, data: bytes, reader: _Reader) -> _D:
@@ -359,7 +355,7 @@ def _read_header(header: _H, data: bytes, reader: _Reader) -> _H | None:
     class_id, weight, body_size, flags = _HEADER_START.unpack_from(data)
     if flags & 1:
         return None
-    properties = Basic.Properties.__new__(Basic.Properties)
+    properties = hooks.new_frame(Basic.Properties)
     offset = 14
     value: Any
     for name, flag, kind in _PROPERTIES:
@@ -497,7 +493,7 @@ def _decode_escaped(kind: int, data: bytes) -> UndecodableDeliver | UndecodableH
 
 def _escaped_deliver(data: bytes) -> UndecodableDeliver | None:
     escaping = _Escaping()
-    frame = _read_deliver(UndecodableDeliver.__new__(UndecodableDeliver), data, escaping)
+    frame = _read_deliver(hooks.new_frame(UndecodableDeliver), data, escaping)
     undecodable = escaping.undecodable()
     if undecodable is None:
         return None
@@ -507,7 +503,7 @@ def _escaped_deliver(data: bytes) -> UndecodableDeliver | None:
 
 def _escaped_header(data: bytes) -> UndecodableHeader | None:
     escaping = _Escaping()
-    header = _read_header(UndecodableHeader.__new__(UndecodableHeader), data, escaping)
+    header = _read_header(hooks.new_frame(UndecodableHeader), data, escaping)
     undecodable = escaping.undecodable()
     if header is None or undecodable is None:
         return None

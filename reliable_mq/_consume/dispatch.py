@@ -51,9 +51,7 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any
 
-from pamqp.commands import Basic
-
-from .._amqp.inbound import OnDelivery, Undecodable
+from .._amqp import Basic, OnDelivery, Undecodable
 from ..dedup.base import AlreadyProcessed, ClaimResult
 from ..delivery import Delivery, Settle
 from ..handlers import Reject, Retry

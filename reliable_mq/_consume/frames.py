@@ -11,14 +11,12 @@ counted as stale. `Shared` holds what every channel of one consumer shares.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from aiormq import Channel
-
-from .._amqp.faults import AMQP_ERRORS
+from .._amqp import AMQP_ERRORS
+from .._amqp import ConsumeChannel as Channel
 from ..metrics import QueueMetrics
 from ..publisher import ReliablePublisher
 from ..settings import ConsumerSettings
@@ -255,6 +253,4 @@ class Frames:
         self.spawn(self._close_quietly())
 
     async def _close_quietly(self) -> None:
-        with contextlib.suppress(*AMQP_ERRORS):
-            async with asyncio.timeout(5):
-                await self.channel.close()
+        await self.channel.close()

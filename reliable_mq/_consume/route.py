@@ -12,12 +12,9 @@ import asyncio
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
-from aiormq import Channel
-
-from .._amqp.faults import AMQP_ERRORS, classify
-from .._amqp.inbound import OnDelivery, take_deliveries, take_frames
+from .._amqp import ConsumeChannel, OnDelivery, classify
 from ..connection import ConnectionSupervisor
 from ..errors import ClosedError, ConsumerError
 from ..handlers import AsyncHandlerFunc, HandlerSpec
@@ -195,44 +192,32 @@ class ChannelKeeper:
             ConsumerError: on the first open, the broker refused the queue
                 (e.g. it exists with other arguments).
         """
-        connection = await self.supervisor.wait_connected()
-        transport = connection.transport
-        # Our connection: its frames are decoded by us (see _inbound), or we say so.
-        if transport is not None and not take_frames(transport.connection):
-            route.log.warning(
-                "frame_decoder_not_installed",
-                hint="aiormq's frame receiver was not found: pamqp decodes this connection "
-                "(a timestamp after 2106 reads as 1970; a string that is not UTF-8 "
-                "closes the connection)",
-            )
-        aio_channel = None
+        link = await self.supervisor.wait_connected()
+        channel: ConsumeChannel | None = None
         try:
             async with asyncio.timeout(self.connection_settings.connect_timeout):
                 check = await prepare_topology(
-                    connection,
+                    link,
                     route.topology,
                     declare=route.spec.declare,
                     queue_only=route.spec.queue_only,
                 )
-                aio_channel = await connection.channel(publisher_confirms=False)
-                channel = cast(Channel, await aio_channel.get_underlay_channel())
-                await channel.basic_qos(prefetch_count=self.shared.settings.prefetch)
+                channel = await link.consume_channel()
+                await channel.qos(self.shared.settings.prefetch)
                 session = Session(self.shared, route, channel)
-                # Deliveries go to our dispatcher below aiormq (see _inbound); our
-                # tasks are cancelled by us, not by aiormq, when the channel closes.
-                take_deliveries(channel, self.intake(route, session))
-                channel.closing.add_done_callback(lambda closing: session.interrupt(_why(closing)))
-                ok = await channel.basic_consume(route.queue, _not_called, no_ack=False)
+                # Deliveries go to our dispatcher, in tag order (see reliable_mq._amqp.consume);
+                # our tasks are cancelled by us, not by aiormq, when the channel closes.
+                channel.on_closed(session.interrupt)
+                consumer_tag = await channel.consume(route.queue, self.intake(route, session))
         except BaseException as exc:
-            if aio_channel is not None and not aio_channel.is_closed:
-                with contextlib.suppress(*AMQP_ERRORS, asyncio.CancelledError):
-                    async with asyncio.timeout(2):
-                        await aio_channel.close()
+            if channel is not None and not channel.is_closed:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await channel.close(timeout=2)
             fault = classify(exc)
             if first and fault is not None and fault.refusal:
                 raise ConsumerError(f"cannot consume {route.queue!r}: {fault.describe()}") from exc
             raise
-        session.consumer_tag = ok.consumer_tag
+        session.consumer_tag = consumer_tag
         # Only a work queue declared with our arguments is known to dead-letter to
         # its DLQ. A reject on an adopted one could drop the message (its DLX, if a
         # policy gives it one, is invisible to us), so its last rung is a requeue.
@@ -246,7 +231,7 @@ class ChannelKeeper:
                 "consuming", prefetch=self.shared.settings.prefetch, messages=check.messages
             )
         else:
-            route.log.debug("consuming", consumer_tag=ok.consumer_tag)
+            route.log.debug("consuming", consumer_tag=consumer_tag)
 
     async def wait_end(self, session: Session) -> str:
         """Wait until the channel closes, or the broker cancels our consumer.
@@ -265,12 +250,10 @@ class ChannelKeeper:
             if (
                 not self.shared.stopping
                 and session.consumer_tag is not None
-                and session.consumer_tag not in session.channel.consumers
+                and not session.channel.has_consumer(session.consumer_tag)
             ):
                 session.alive = False
-                with contextlib.suppress(*AMQP_ERRORS):
-                    async with asyncio.timeout(5):
-                        await session.channel.close()
+                await session.channel.close()
                 return "consumer cancelled by the broker"
 
     def _stopping(self) -> bool:
@@ -303,15 +286,3 @@ class ChannelKeeper:
             failures = 0
             self.reopens += 1
             route.log.info("consumer_channel_recovered")
-
-
-def _why(closing: asyncio.Future[Any]) -> BaseException | None:
-    """Why a channel closed (its ``closing`` future's exception), if it says."""
-    if closing.cancelled():
-        return None
-    return closing.exception()
-
-
-async def _not_called(message: Any) -> None:
-    """The callback aiormq registers for our consumer tag; `take_deliveries` bypasses it."""
-    raise RuntimeError("deliveries of a reliable_mq consumer channel go to its dispatcher")

@@ -21,8 +21,7 @@ import math
 import time
 from typing import Any, Protocol
 
-from aiormq import Channel
-
+from .._amqp import ConsumeChannel as Channel
 from .._amqp.faults import Fault, FaultKind, classify, consumer_timeout_of
 from ..delivery import Delivery, Settle
 from ..errors import ClosedError

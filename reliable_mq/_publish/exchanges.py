@@ -20,9 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiormq
-
-from .._amqp.faults import AMQP_ERRORS, Fault, FaultKind, classify
+from .._amqp import AMQP_ERRORS, Channel, Fault, FaultKind, classify
 from ..connection import ConnectionSupervisor
 from ..errors import ClosedError
 
@@ -47,7 +45,7 @@ class ExchangeCache:
         self._log = log
         self._refused: dict[str, tuple[float, Fault]] = {}
         self._probes: dict[str, asyncio.Task[Fault | None]] = {}
-        self._channel: aiormq.Channel | None = None
+        self._channel: Channel | None = None
         self._lock = asyncio.Lock()
         self.channels_opened = 0
         """Probe channels opened so far (a 404 closes the probe channel)."""
@@ -90,12 +88,8 @@ class ExchangeCache:
         for probe in list(self._probes.values()):
             probe.cancel()
         channel, self._channel = self._channel, None
-        if channel is not None and not channel.is_closed:
-            try:
-                async with asyncio.timeout(2):
-                    await channel.close()
-            except AMQP_ERRORS:
-                return
+        if channel is not None:
+            await channel.close()
 
     async def _probe(self, exchange: str) -> Fault | None:
         fault: Fault | None = None
@@ -106,7 +100,7 @@ class ExchangeCache:
                 async with self._lock:
                     channel = await self._open_channel()
                     async with asyncio.timeout(self._open_timeout):
-                        await channel.exchange_declare(exchange=exchange, passive=True)
+                        await channel.declare_exchange(exchange, passive=True)
             except ClosedError:
                 raise
             except AMQP_ERRORS as exc:
@@ -130,17 +124,13 @@ class ExchangeCache:
             return None
         return fault
 
-    async def _open_channel(self) -> aiormq.Channel:
+    async def _open_channel(self) -> Channel:
         channel = self._channel
         if channel is not None and not channel.is_closed:
             return channel
-        connection = await self._supervisor.wait_connected()
-        transport = connection.transport
-        if transport is None:
-            raise ConnectionError("connection has no transport")
+        link = await self._supervisor.wait_connected()
         async with asyncio.timeout(self._open_timeout):
-            opened = await transport.connection.channel(publisher_confirms=False)
-        assert isinstance(opened, aiormq.Channel)
+            opened = await link.channel()
         self.channels_opened += 1
         self._channel = opened
         return opened

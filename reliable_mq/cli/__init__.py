@@ -25,8 +25,8 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from .._amqp.faults import AMQP_ERRORS, classify
 from .._version import __version__
+from ..connection import AMQP_ERRORS, classify
 from ..errors import BrokerUnavailable, InvalidSettings
 from ..log import get_logger
 from ._common import (

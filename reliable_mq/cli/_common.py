@@ -19,17 +19,10 @@ from decimal import Decimal
 from typing import IO, Any, NamedTuple
 
 import structlog
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from .._amqp.faults import AMQP_ERRORS, FaultKind, classify
-
-# TODO(issue 20, the seam): take the decoder through the seam's interface
-# (reliable_mq._amqp), not its inbound module: the import-linter contract
-# "integrations-use-interfaces" lists this import until then.
-from .._amqp.inbound import take_frames
-from ..connection import ConnectionSupervisor
+from ..connection import AMQP_ERRORS, Channel, ConnectionSupervisor, FaultKind, Link, classify
 from ..metrics import Metrics
 from ..settings import ConnectionSettings, PublisherSettings, redact_credentials
 
@@ -54,8 +47,8 @@ __all__ = (
     "header_arg",
     "jsonable",
     "message_record",
-    "open_connection",
-    "open_queue",
+    "open_channel",
+    "open_link",
     "positive_float",
     "printable",
     "positive_int",
@@ -405,61 +398,60 @@ def prefetch_count(text: str) -> int:
 
 
 @contextlib.asynccontextmanager
-async def open_connection(args: argparse.Namespace) -> AsyncIterator[AbstractConnection]:
+async def open_link(args: argparse.Namespace) -> AsyncIterator[Link]:
     """One connection for the command's own channels (fail-over and TLS from ``--url``).
+
+    Its frames are decoded as the consumer decodes them: a message with a
+    property or header name that is not UTF-8 is shown escaped, not a broker error.
 
     Raises:
         BrokerUnavailable: no broker address accepted a connection.
     """
     supervisor = ConnectionSupervisor(
-        connection_settings(args), role="tool", metrics=Metrics.on(CollectorRegistry())
+        connection_settings(args),
+        role="tool",
+        metrics=Metrics.on(CollectorRegistry()),
+        decode_frames=True,
     )
     await supervisor.start()
     try:
-        connection = await supervisor.wait_connected()
-        if connection.transport is not None:
-            # Decoded as the consumer decodes: a message with a property or header
-            # name that is not UTF-8 is shown escaped, not a broker error.
-            take_frames(connection.transport.connection)
-        yield connection
+        yield await supervisor.wait_connected()
     finally:
         await supervisor.close()
 
 
-async def open_queue(
-    connection: AbstractConnection, name: str, *, what: str = "queue", hint: str = ""
-) -> tuple[AbstractChannel, AbstractQueue, int]:
-    """A new channel and a passive declaration of ``name``: (channel, queue, message count).
+async def open_channel(
+    link: Link, name: str, *, what: str = "queue", hint: str = ""
+) -> tuple[Channel, int]:
+    """A new channel and a passive declaration of ``name``: (channel, message count).
 
     Raises:
         CommandFailed: the queue does not exist (``hint`` is appended to the message).
     """
-    channel = await connection.channel(publisher_confirms=False)
+    channel = await link.channel()
     try:
-        queue = await channel.declare_queue(name, passive=True)
+        info = await channel.declare_queue(name, passive=True)
     except AMQP_ERRORS as exc:
         fault = classify(exc)
         if fault is None or fault.kind is not FaultKind.NOT_FOUND:
             raise
         raise CommandFailed(f"{what} {name!r} does not exist{hint}") from None
-    result = queue.declaration_result
-    return channel, queue, int(result.message_count or 0)
+    return channel, info.messages
 
 
-async def queue_count(connection: AbstractConnection, name: str) -> int | None:
+async def queue_count(link: Link, name: str) -> int | None:
     """Messages ready in queue ``name`` (a passive declare), or None if it does not exist."""
-    channel = await connection.channel(publisher_confirms=False)
+    channel = await link.channel()
     try:
-        queue = await channel.declare_queue(name, passive=True)
+        info = await channel.declare_queue(name, passive=True)
     except AMQP_ERRORS as exc:
         fault = classify(exc)
         if fault is None or fault.kind is not FaultKind.NOT_FOUND:
             raise
         return None
-    count = int(queue.declaration_result.message_count or 0)
-    with contextlib.suppress(*AMQP_ERRORS):
+    finally:
         await channel.close()
-    return count
+    return info.messages
 
 
 # -- messages as JSON ---------------------------------------------------------------
@@ -485,8 +477,13 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-def message_record(message: AbstractIncomingMessage) -> dict[str, Any]:
+def message_record(message: Any) -> dict[str, Any]:
     """One message as a JSON object: ids, routing, properties, headers and body.
+
+    ``message``: anything with a message's attributes (``message_id``,
+    ``exchange``, ``routing_key``, ``redelivered``, ``content_type``, ``headers``,
+    ``body``, optionally ``correlation_id``, ``reply_to``, ``type``, ``app_id``
+    and ``timestamp``), as a fetched `reliable_mq._amqp.Got` has them.
 
     The body is UTF-8 text when it decodes, else base64 with
     ``"body_encoding": "base64"``.
@@ -502,8 +499,9 @@ def message_record(message: AbstractIncomingMessage) -> dict[str, Any]:
         value = getattr(message, name, None)
         if value:
             record[name] = value
-    if message.timestamp is not None:
-        record["timestamp"] = jsonable(message.timestamp)
+    timestamp = getattr(message, "timestamp", None)
+    if timestamp is not None:
+        record["timestamp"] = jsonable(timestamp)
     record["headers"] = jsonable(message.headers or {})
     try:
         record["body"] = message.body.decode("utf-8")

@@ -25,18 +25,10 @@ from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, NamedTuple
 
-import aiormq
-from aio_pika import IncomingMessage
-from aio_pika.abc import (
-    AbstractChannel,
-    AbstractConnection,
-    AbstractIncomingMessage,
-    AbstractQueue,
-)
-from pamqp.commands import Basic
 from prometheus_client import CollectorRegistry
 
 from .._consume import copy_properties
+from ..connection import Channel, Got, Link
 from ..errors import InvalidMessage, PublishError
 from ..headers import (
     ATTEMPT_HEADER,
@@ -56,8 +48,8 @@ from ._common import (
     connection_settings,
     jsonable,
     message_record,
-    open_connection,
-    open_queue,
+    open_channel,
+    open_link,
     positive_float,
     positive_int,
     print_table,
@@ -143,11 +135,9 @@ def _missing_hint(args: argparse.Namespace) -> str:
     return f"; is {queue!r} the work queue? Its DLQ is QUEUE.dlq unless --dlq NAME"
 
 
-async def _open_dlq(
-    connection: AbstractConnection, args: argparse.Namespace
-) -> tuple[AbstractChannel, AbstractQueue, int]:
-    return await open_queue(
-        connection, _dlq_name(args), what="dead-letter queue", hint=_missing_hint(args)
+async def _open_dlq(link: Link, args: argparse.Namespace) -> tuple[Channel, int]:
+    return await open_channel(
+        link, _dlq_name(args), what="dead-letter queue", hint=_missing_hint(args)
     )
 
 
@@ -207,50 +197,50 @@ async def run_dlq(args: argparse.Namespace) -> int:
 
 
 class _Browser:
-    """Fetches a queue's messages with ``basic.get``, holding each unacknowledged."""
+    """Fetches a queue's messages with ``basic.get``, holding each unacknowledged.
 
-    def __init__(self, queue: AbstractQueue, limit: int) -> None:
+    Each message keeps its properties exactly as they came (`Got.properties`):
+    a copy must have what the original had.
+    """
+
+    def __init__(self, channel: Channel, queue: str, limit: int) -> None:
+        self._channel = channel
         self._queue = queue
         self._limit = limit
-        self.held: list[AbstractIncomingMessage] = []
-        self._received: dict[int, Basic.Properties] = {}
+        self.held: list[Got] = []
+        self._settled: set[int] = set()
 
-    async def messages(self) -> AsyncIterator[AbstractIncomingMessage]:
-        # As aio-pika's Queue.get, keeping the properties as they came: aio-pika's
-        # message turns an absent delivery mode into 1, an absent priority into 0
-        # and an empty string into None, and a copy must have what the original had.
-        channel = await self._queue.channel.get_underlay_channel()
+    async def messages(self) -> AsyncIterator[Got]:
         while len(self.held) < self._limit:
-            got = await channel.basic_get(self._queue.name, no_ack=False, timeout=30)
-            if isinstance(got.delivery, aiormq.spec.Basic.GetEmpty):
+            message = await self._channel.get(self._queue)
+            if message is None:
                 return
-            message = IncomingMessage(got, no_ack=False)
             self.held.append(message)
-            self._received[message.delivery_tag or 0] = got.header.properties
             yield message
 
-    def properties(self, message: AbstractIncomingMessage) -> Basic.Properties:
-        """``message``'s properties as received."""
-        return self._received[message.delivery_tag or 0]
+    async def ack(self, message: Got) -> None:
+        """Remove ``message`` from the queue (its copy is confirmed)."""
+        await self._channel.ack(message.delivery_tag)
+        self._settled.add(message.delivery_tag)
 
     async def release(self) -> None:
         """Return every message not settled otherwise to the queue (one frame)."""
-        unsettled = [message for message in self.held if not message.processed]
-        if unsettled:
+        unsettled = [m for m in self.held if m.delivery_tag not in self._settled]
+        if unsettled and not self._channel.is_closed:
             # Held tags are ascending and the rest were acked singly, so
             # multiple=true on the highest unsettled tag covers exactly these.
-            await unsettled[-1].nack(multiple=True, requeue=True)
+            await self._channel.nack(unsettled[-1].delivery_tag, multiple=True, requeue=True)
 
 
 async def _list(args: argparse.Namespace) -> int:
     name = _dlq_name(args)
-    async with open_connection(args) as connection:
-        channel, queue, total = await _open_dlq(connection, args)
-        browser = _Browser(queue, min(total, args.limit))
-        records: list[tuple[AbstractIncomingMessage, DeadLetterInfo]] = []
+    async with open_link(args) as link:
+        channel, total = await _open_dlq(link, args)
+        browser = _Browser(channel, name, min(total, args.limit))
+        records: list[tuple[Got, DeadLetterInfo]] = []
         try:
             async for message in browser.messages():
-                records.append((message, DeadLetterInfo.of(message.headers or {})))
+                records.append((message, DeadLetterInfo.of(message.headers)))
         finally:
             await browser.release()
             await channel.close()
@@ -285,16 +275,16 @@ async def _list(args: argparse.Namespace) -> int:
 async def _show(args: argparse.Namespace) -> int:
     name = _dlq_name(args)
     found = 0
-    async with open_connection(args) as connection:
-        channel, queue, total = await _open_dlq(connection, args)
-        browser = _Browser(queue, total)
+    async with open_link(args) as link:
+        channel, total = await _open_dlq(link, args)
+        browser = _Browser(channel, name, total)
         try:
             async for message in browser.messages():
                 if message.message_id != args.message_id:
                     continue
                 found += 1
                 record = message_record(message)
-                record["dead_letter"] = DeadLetterInfo.of(message.headers or {})._asdict()
+                record["dead_letter"] = DeadLetterInfo.of(message.headers)._asdict()
                 print(json.dumps(record, ensure_ascii=True, indent=2))
         finally:
             await browser.release()
@@ -323,8 +313,8 @@ def _target(args: argparse.Namespace, headers: Mapping[str, Any]) -> str:
     return info.queue or str(args.queue)
 
 
-async def _queue_exists(connection: AbstractConnection, name: str) -> bool:
-    return await queue_count(connection, name) is not None
+async def _queue_exists(link: Link, name: str) -> bool:
+    return await queue_count(link, name) is not None
 
 
 async def _move(args: argparse.Namespace) -> int:
@@ -332,15 +322,15 @@ async def _move(args: argparse.Namespace) -> int:
     moved = failed = skipped = 0
     exists: dict[str, bool] = {}
     settings = PublisherSettings(publish_timeout=args.timeout)
-    async with open_connection(args) as connection:
-        channel, queue, total = await _open_dlq(connection, args)
-        browser = _Browser(queue, total)
+    async with open_link(args) as link:
+        channel, total = await _open_dlq(link, args)
+        browser = _Browser(channel, name, total)
         async with ReliablePublisher(
             connection_settings(args), settings=settings, registry=CollectorRegistry()
         ) as publisher:
             finishing: list[asyncio.Task[None]] = []
 
-            async def finish(message: AbstractIncomingMessage, target: str, outcome: Any) -> None:
+            async def finish(message: Got, target: str, outcome: Any) -> None:
                 nonlocal moved, failed
                 try:
                     await outcome
@@ -352,7 +342,7 @@ async def _move(args: argparse.Namespace) -> int:
                         f"{printable(redact(str(exc), args.url))}"
                     )
                     return  # stays held; released (requeued in the DLQ) at the end
-                await message.ack()  # only now: the copy is confirmed
+                await browser.ack(message)  # only now: the copy is confirmed
                 moved += 1
                 print(f"moved {printable(message.message_id or '-')} to {printable(target)}")
 
@@ -360,10 +350,10 @@ async def _move(args: argparse.Namespace) -> int:
                 async for message in browser.messages():
                     if not args.all and message.message_id != args.message_id:
                         continue
-                    headers = message.headers or {}
+                    headers = message.headers
                     target = _target(args, headers)
                     if target not in exists:
-                        exists[target] = await _queue_exists(connection, target)
+                        exists[target] = await _queue_exists(link, target)
                     if not exists[target]:
                         skipped += 1
                         say(
@@ -372,9 +362,7 @@ async def _move(args: argparse.Namespace) -> int:
                         )
                         continue
                     copied = moved_headers(headers, name)
-                    properties = copy_properties(
-                        browser.properties(message), copied, user=publisher.user
-                    )
+                    properties = copy_properties(message.properties, copied, user=publisher.user)
                     try:
                         outcome = await publisher._enqueue_copy(
                             message.body, routing_key=target, properties=properties, headers=copied

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple
 
-import aio_pika
 from prometheus_client import CollectorRegistry
 
 from ..errors import InvalidMessage, PublishError, PublishUnroutable
@@ -33,6 +32,7 @@ from ._common import (
     add_publisher_arguments,
     connection_settings,
     header_arg,
+    open_link,
     positive_int,
     print_table,
     printable,
@@ -406,10 +406,9 @@ async def run_bench(args: argparse.Namespace) -> int:
     async with ReliablePublisher(
         connection_settings(args), settings=settings, registry=CollectorRegistry()
     ) as publisher:
-        connection = await aio_pika.connect(str(args.url).split(",")[0].strip())
-        async with connection:
-            channel = await connection.channel()
-            declared = await channel.declare_queue(queue_name, durable=True)
+        async with open_link(args) as link:
+            channel = await link.channel()
+            await channel.declare_queue(queue_name, durable=True)
             try:
                 started = time.monotonic()
                 tally = await _stream_publish(
@@ -427,7 +426,8 @@ async def run_bench(args: argparse.Namespace) -> int:
                 stats = publisher.stats()
             finally:
                 if args.queue is None:
-                    await declared.delete(if_unused=False, if_empty=False)
+                    await channel.delete_queue(queue_name)
+                await channel.close()
     tally.report_rest()
     latencies = sorted(tally.latencies)
     rate = tally.confirmed / max(elapsed, 1e-9)

@@ -9,15 +9,12 @@ expects.
 from __future__ import annotations
 
 import argparse
-import contextlib
 
-from aio_pika.abc import AbstractConnection
-
-from .._amqp.faults import AMQP_ERRORS
+from ..connection import Link
 from ..errors import ConsumerError
 from ..settings import ConsumerSettings
 from ..topology import QueueCheck, QueueTopology, QueueType, prepare_topology
-from ._common import EXIT_OK, CommandFailed, open_connection, print_table, queue_count, say
+from ._common import EXIT_OK, CommandFailed, open_link, print_table, queue_count, say
 
 __all__ = ("add_topology_arguments", "parse_delays", "run_topology")
 
@@ -89,7 +86,7 @@ def _describe(topology: QueueTopology, name: str, check: QueueCheck | None) -> t
     )
 
 
-async def _message_counts(connection: AbstractConnection, names: tuple[str, ...]) -> dict[str, int]:
+async def _message_counts(connection: Link, names: tuple[str, ...]) -> dict[str, int]:
     """Message count of each queue that exists (absent ones are left out)."""
     counts: dict[str, int] = {}
     for name in names:
@@ -110,7 +107,7 @@ async def run_topology(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CommandFailed(str(exc)) from None
-    async with open_connection(args) as connection:
+    async with open_link(args) as connection:
         if args.delete:
             return await _delete(
                 connection, topology, force=args.force, ignore_missing=args.ignore_missing
@@ -141,7 +138,7 @@ async def run_topology(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _refuse_another_set(connection: AbstractConnection, topology: QueueTopology) -> None:
+async def _refuse_another_set(connection: Link, topology: QueueTopology) -> None:
     """Refuse, before declaring anything, a set that exists with other delays or another DLQ.
 
     Retry queues of other delays have other names, so the broker would accept
@@ -167,7 +164,7 @@ async def _refuse_another_set(connection: AbstractConnection, topology: QueueTop
 
 
 async def _delete(
-    connection: AbstractConnection, topology: QueueTopology, *, force: bool, ignore_missing: bool
+    connection: Link, topology: QueueTopology, *, force: bool, ignore_missing: bool
 ) -> int:
     counts = await _message_counts(connection, topology.all_queues)
     if not counts:
@@ -185,7 +182,7 @@ async def _delete(
             + ", ".join(loaded)
             + "; --force deletes them with their messages"
         )
-    channel = await connection.channel(publisher_confirms=False)
+    channel = await connection.channel()
     rows = []
     for name in topology.all_queues:
         if name not in counts:
@@ -198,10 +195,9 @@ async def _delete(
                 f"{name!r} received {count:,} message(s) meanwhile; not deleted "
                 "(--force deletes them)"
             )
-        deleted = await channel.queue_delete(name)
-        rows.append((f"  {name}", f"deleted, {int(deleted.message_count or 0):,} msgs dropped"))
-    with contextlib.suppress(*AMQP_ERRORS):
-        await channel.close()
+        dropped = await channel.delete_queue(name)
+        rows.append((f"  {name}", f"deleted, {dropped:,} msgs dropped"))
+    await channel.close()
     print(f"deleted {len(counts)} of the {len(topology.all_queues)} queues of {topology.queue!r}:")
     print_table(rows)
     return EXIT_OK

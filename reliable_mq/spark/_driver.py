@@ -7,14 +7,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from aio_pika.abc import AbstractChannel, AbstractConnection
 from prometheus_client import CollectorRegistry
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from .._amqp.faults import AMQP_ERRORS, FaultKind, classify
 from .._sync import run_sync
-from ..connection import ConnectionSupervisor
+from ..connection import AMQP_ERRORS, Channel, ConnectionSupervisor, FaultKind, Link, classify
 from ..log import get_logger
 from ..metrics import Metrics
 from ._encode import canonical_value
@@ -151,7 +149,7 @@ async def _check_destination(spec: PublishSpec) -> None:
             exchange = spec.exchange
             await _passive_declare(
                 amqp,
-                lambda channel: channel.get_exchange(exchange, ensure=True),
+                lambda channel: channel.declare_exchange(exchange, passive=True),
                 f"exchange {exchange!r} does not exist on {connection.addresses[0]}; "
                 "declare it before publishing",
             )
@@ -159,7 +157,7 @@ async def _check_destination(spec: PublishSpec) -> None:
             queue = spec.routing_key
             await _passive_declare(
                 amqp,
-                lambda channel: channel.get_queue(queue, ensure=True),
+                lambda channel: channel.declare_queue(queue, passive=True),
                 f"queue {queue!r} does not exist on {connection.addresses[0]} "
                 "(default exchange: the routing key names the queue); declare it first",
             )
@@ -168,12 +166,12 @@ async def _check_destination(spec: PublishSpec) -> None:
 
 
 async def _passive_declare(
-    amqp: AbstractConnection,
-    declare: Callable[[AbstractChannel], Awaitable[object]],
+    amqp: Link,
+    declare: Callable[[Channel], Awaitable[object]],
     missing: str,
 ) -> None:
     """Run a passive declare on a channel of its own; a 404 becomes DestinationNotFound."""
-    channel = await amqp.channel(publisher_confirms=False)
+    channel = await amqp.channel()
     try:
         await declare(channel)
     except AMQP_ERRORS as exc:
@@ -181,7 +179,7 @@ async def _passive_declare(
         if fault is not None and fault.kind is FaultKind.NOT_FOUND:
             raise DestinationNotFound(missing) from None
         raise
-    if not channel.is_closed:
+    finally:
         await channel.close()
 
 

@@ -67,6 +67,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from reliable_mq import ConnectionSettings, PublisherSettings
+from reliable_mq._amqp.hooks import find_receiver
 from reliable_mq._amqp.inbound import take_frames
 from reliable_mq.consumer import ConsumerStats, ReliableConsumer
 from reliable_mq.handlers import AckPolicy
@@ -195,7 +196,9 @@ async def _collect(topology: QueueTopology, outcome: Outcome) -> None:
         # decode with pamqp (`MessageSpec.undecodable`): decode as the consumer does.
         transport = connection.transport
         assert transport is not None
-        assert take_frames(transport.connection), "aiormq's frame receiver was not found"
+        receiver, failure = find_receiver(transport.connection)
+        assert failure is None, failure
+        take_frames(receiver)
         channel = await connection.channel()
         names = [*topology.retry_queues, topology.queue]
         empty_passes = 0

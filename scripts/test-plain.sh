@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The plain path is a mode of its own, tested as one: the publisher, consumer and fault
+# suites again with the fast paths off (RELIABLE_MQ_FAST_PATH=off: aiormq's public
+# basic_publish and basic_consume, pamqp's decoder). Tests of a fast-path-only protection
+# pin fast_path themselves. Run after scripts/test.sh (it uses .venv). Extra arguments
+# (options, or test paths instead of the default suites) go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# Left out, to keep CI within its time: the memory bounds (tests/faults/test_bounds.py,
+# test_publisher_bounds.py) and the cluster failover (tests/faults/test_cluster.py), whose
+# subject (the window, the supervisor's fail-over) is the same code on both paths.
+if ! printf '%s\n' "$@" | grep -q '^tests'; then
+    set -- "$@" tests/test_publisher.py tests/test_publisher_close.py \
+        tests/test_publisher_hardening.py tests/test_consumer_broker.py \
+        tests/test_consumer_handler_errors.py tests/test_consumer_exits.py tests/test_copies.py \
+        tests/test_properties.py tests/test_seam.py tests/faults/test_broker_faults.py \
+        tests/faults/test_network_faults.py tests/faults/test_consumer_faults.py
+fi
+RELIABLE_MQ_FAST_PATH=off exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
