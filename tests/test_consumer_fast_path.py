@@ -433,7 +433,7 @@ class TestIntake:
 
         route = SimpleNamespace(
             queue="q",
-            spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR),
+            spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR, queue_only=False),
             metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
         )
         dispatcher = Dispatcher(Shared(ConsumerSettings()))
@@ -448,6 +448,7 @@ class TestIntake:
     async def test_channel_dead_before_the_task_starts(self) -> None:
         """Deliveries whose channel dies before their task runs: each settled once,
         as stale, without running the handler; a running one is cancelled."""
+        from reliable_mq._consume.acks import LostAcks
         from reliable_mq._consume.dispatch import Dispatcher
         from reliable_mq._consume.session import Session, Shared
         from reliable_mq.settings import ConsumerSettings
@@ -463,15 +464,19 @@ class TestIntake:
         route = SimpleNamespace(
             queue="q",
             quorum=False,
-            spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR, decode=None),
+            spec=SimpleNamespace(
+                ack_policy=AckPolicy.RETRY_ON_ERROR, decode=None, queue_only=False
+            ),
             handler=handler,
             threads=None,
             running={},
             has_overran=False,
+            lost_acks=LostAcks(),
             metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
             dedup=None,
             semaphore=None,
         )
+        route.ack_lost = lambda message_id, attempt: None
         route.handler_ended = route.running.pop
         session = Session(shared, route, channel)  # type: ignore[arg-type]
         on_delivery = Dispatcher(shared).intake(route, session)  # type: ignore[arg-type]

@@ -257,7 +257,7 @@ class TestChangedAiormq:
                 async with ReliablePublisher(
                     settings(broker_url, FastPath.AUTO), registry=CollectorRegistry()
                 ) as publisher:
-                    channel = publisher._engine.stream.current
+                    channel = publisher._engine._stream.current
                     assert channel is not None
                     assert isinstance(channel.channel, PlainConfirmChannel)
                     results = await asyncio.gather(
@@ -281,7 +281,7 @@ class TestChangedAiormq:
         async with ReliablePublisher(
             settings(broker_url, FastPath.ON), registry=CollectorRegistry()
         ) as publisher:
-            generation = publisher._engine.stream.current
+            generation = publisher._engine._stream.current
             assert generation is not None
             assert isinstance(generation.channel, FastConfirmChannel)
 
@@ -290,7 +290,7 @@ class TestChangedAiormq:
             async with ReliablePublisher(
                 settings(broker_url, FastPath.OFF), registry=CollectorRegistry()
             ) as publisher:
-                generation = publisher._engine.stream.current
+                generation = publisher._engine._stream.current
                 assert generation is not None
                 assert isinstance(generation.channel, PlainConfirmChannel)
                 await publisher.publish(b"x", routing_key=queue)
@@ -329,7 +329,7 @@ class TestChangedChannel:
             async with ReliablePublisher(
                 settings(broker_url, FastPath.AUTO), registry=CollectorRegistry()
             ) as publisher:
-                generation = publisher._engine.stream.current
+                generation = publisher._engine._stream.current
                 assert generation is not None
                 assert isinstance(generation.channel, PlainConfirmChannel)
                 await publisher.publish(b"x", routing_key=queue)
