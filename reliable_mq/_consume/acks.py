@@ -26,9 +26,9 @@ one channel per queue), so tags arrive consecutively.
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import OrderedDict, deque
 
-__all__ = ("AckTracker", "TagState")
+__all__ = ("AckTracker", "LostAcks", "TagState")
 
 
 class TagState(enum.IntEnum):
@@ -158,3 +158,59 @@ class AckTracker:
         """Tags still in progress, in order."""
         first = self._first
         return [first + i for i, s in enumerate(self._states) if s is TagState.IN_PROGRESS]
+
+
+class LostAcks:
+    """Messages whose work is done but whose ack may never have reached the broker.
+
+    A handler returned (or the message's retry or dead-letter copy was
+    published), and then its channel died before the broker took the ack: an
+    ack still batched, an ack written after the broker had closed the channel
+    (it ignores every frame but ``close-ok`` from then on), a settle that found
+    the channel dead, a plain ``def`` handler that finished in its thread after
+    the channel died. The broker requeues such a delivery and delivers it
+    again; run again, its effect would happen twice, or its copy would be
+    published twice.
+
+    Recorded by message id and attempt, in memory, for `ttl` seconds and at
+    most `capacity` entries (oldest forgotten first): the redelivery that
+    matches (`take`) is acked without running its handler. A restart forgets
+    them (across processes, the dedup store is the answer). Messages without
+    an id are not recorded: nothing tells two of them apart.
+    """
+
+    __slots__ = ("_entries", "capacity", "ttl")
+
+    def __init__(self, *, capacity: int = 16384, ttl: float = 300.0) -> None:
+        self._entries: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self.capacity = capacity
+        self.ttl = ttl
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, message_id: str, attempt: int, now: float) -> None:
+        """``message_id`` at ``attempt`` is done; its ack may be lost."""
+        entries = self._entries
+        entries[message_id] = (attempt, now + self.ttl)
+        entries.move_to_end(message_id)
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def take(self, message_id: str, attempt: int, now: float, *, counts_returns: bool) -> bool:
+        """True (and forgotten) if this delivery is the broker's return of a done message.
+
+        ``counts_returns``: the queue counts every return in the delivery's attempt
+        (a quorum queue's ``x-delivery-count``), so the return comes back one higher.
+        """
+        entry = self._entries.get(message_id)
+        if entry is None:
+            return False
+        done, expires = entry
+        if now >= expires:
+            del self._entries[message_id]
+            return False
+        if attempt == done or (counts_returns and attempt == done + 1):
+            del self._entries[message_id]
+            return True
+        return False

@@ -80,6 +80,9 @@ _STORE_DOWN = Cause(Outcome.STORE_DOWN, note="dedup store unavailable")
 _RUNNING_HERE = Cause(
     Outcome.BUSY, note="a handler of this message id still runs in this process (a late run)"
 )
+_ACK_LOST = Cause(
+    Outcome.DUPLICATE, note="done here before; the broker returned it when the channel died"
+)
 _WAITED = Cause(Outcome.WAITED, note="waited for a handler slot too long to run safely")
 _NO_HEADERS: Mapping[str, Any] = MappingProxyType({})
 
@@ -220,6 +223,12 @@ class Dispatcher:
             overran = route.take_overran(delivery)
             if overran is not None:  # the broker's redelivery of a run it cut off
                 return _consumer_timeout(overran)
+        if route.lost_acks and route.take_ack_lost(delivery):
+            delivery_log(delivery).info(
+                "redelivery_acked_without_run",
+                why="its work was done here; the channel died before the broker took the ack",
+            )
+            return _ACK_LOST
         if delivery.attempt > settings.max_attempts:
             return Cause(
                 Outcome.TOO_MANY_ATTEMPTS,
@@ -289,7 +298,7 @@ class Dispatcher:
         if threads is None:
             coro = route.handler(*args)
         else:
-            on_end = partial(route.handler_ended, key) if key else None
+            on_end = partial(_thread_ended, route, ticket) if key else None
             coro = threads.run(spec.func, *args, on_end=on_end)  # type: ignore[arg-type]
         metrics = route.metrics
         metrics.handlers_running += 1
@@ -447,3 +456,13 @@ def int_header(headers: Mapping[str, Any], name: str) -> int | None:
         except ValueError:
             return None
     return None
+
+
+def _thread_ended(route: Route, ticket: Ticket, returned: bool) -> None:
+    """A plain ``def`` handler's thread really ended. One that returned after its
+    channel died (settled stale, the broker will deliver it again) did its work:
+    that redelivery is acked without running again."""
+    delivery = ticket.delivery
+    route.handler_ended(delivery.message_id)
+    if returned and ticket.outcome is Settle.STALE:
+        route.ack_lost(delivery.message_id, delivery.attempt)

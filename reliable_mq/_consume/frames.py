@@ -172,7 +172,7 @@ class Frames:
             self.metrics.ack_frames += 1
         return True
 
-    async def _settle_single(self, kind: FrameKind, tag: int) -> None:
+    async def _settle_single(self, kind: FrameKind, tag: int) -> bool:
         """Settle ``tag`` by its own frame, unless it was settled already.
 
         The tracker's state changes under the same lock as the frame is written,
@@ -182,7 +182,8 @@ class Frames:
         """
         async with self.lock:
             if self.tracker.settle(tag):
-                await self._write(kind, tag, 1)
+                return await self._write(kind, tag, 1)
+        return True
 
     async def flush(self, *, stragglers: bool, wait: bool = False) -> None:
         """Send the batched acks: the finished prefix, and optionally the stragglers."""
@@ -216,30 +217,39 @@ class Frames:
             self.flush_handle = None
         await self.flush(stragglers=True, wait=True)
 
-    async def ack(self, tag: int) -> None:
-        """Ack ``tag``, batched (when batch acks are on) or now."""
+    async def ack(self, tag: int) -> bool:
+        """Ack ``tag``, batched (when batch acks are on) or now.
+
+        Returns:
+            False if the channel was found dead (the ack is lost: the broker will
+            deliver it again); True once written or batched.
+        """
         if self.dead():
             self.stale(1)
-            return
+            return False
         if self.batch:
             if not self.tracker.finish(tag):
-                return
+                return True
             if self.tracker.pending >= self.batch_size:
                 await self.flush(stragglers=False)
             if self.tracker.pending and self.flush_handle is None:
                 self.flush_handle = asyncio.get_running_loop().call_later(
                     self.shared.settings.ack_flush_interval, self._on_flush_timer
                 )
-        else:
-            await self._settle_single(_ACK, tag)
+            return True
+        return await self._settle_single(_ACK, tag)
 
-    async def ack_now(self, tag: int) -> None:
+    async def ack_now(self, tag: int) -> bool:
         """Ack ``tag`` in its own frame, now: used after a confirmed republish, so
-        a channel loss cannot leave both the copy and the original behind."""
+        a channel loss cannot leave both the copy and the original behind.
+
+        Returns:
+            False if the channel was found dead (the ack is lost).
+        """
         if self.dead():
             self.stale(1)
-            return
-        await self._settle_single(_ACK, tag)
+            return False
+        return await self._settle_single(_ACK, tag)
 
     async def nack(self, tag: int, *, requeue: bool) -> None:
         if self.dead():

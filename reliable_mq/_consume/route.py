@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, cast
@@ -22,6 +23,7 @@ from ..log import get_logger
 from ..metrics import QueueMetrics
 from ..settings import ConnectionSettings, ConsumerSettings
 from ..topology import QueueTopology, QueueType, prepare_topology
+from .acks import LostAcks
 from .dedup_gate import DedupGate
 from .session import Session, Shared
 from .threads import HandlerThreads
@@ -73,6 +75,8 @@ class Route:
         deadline, a handler that swallowed its cancel) included: a delivery of an
         id in here is deferred, never run alongside."""
         self._overran: OrderedDict[str | int, Overran] = OrderedDict()
+        self.lost_acks = LostAcks()
+        """Messages done whose ack a dead channel may have lost (see `ack_lost`)."""
         self.settings = settings
         self.dedup = dedup
         self.queue = spec.queue
@@ -156,6 +160,19 @@ class Route:
     @property
     def has_overran(self) -> bool:
         return bool(self._overran)
+
+    def ack_lost(self, message_id: str, attempt: int) -> None:
+        """``message_id`` at ``attempt`` is done (handled, or its copy published), and its
+        channel died before the broker surely had the ack: its redelivery is acked
+        without running again (`take_ack_lost`)."""
+        self.lost_acks.add(message_id, attempt, time.monotonic())
+
+    def take_ack_lost(self, delivery: Delivery) -> bool:
+        """``delivery`` is the broker's return of a message done here (`ack_lost`)."""
+        message_id = delivery.message_id
+        return bool(message_id) and self.lost_acks.take(
+            message_id, delivery.attempt, time.monotonic(), counts_returns=self.quorum
+        )
 
     def copy_published(self, delivery: Delivery) -> None:
         """A copy of ``delivery`` was published: its holds, and the route's streak, end."""

@@ -85,6 +85,10 @@ class SessionRoute(Protocol):
         """A copy of ``delivery`` was published: its requeue-later holds end."""
         ...
 
+    def ack_lost(self, message_id: str, attempt: int) -> None:
+        """``message_id`` is done, and its ack may not have reached the broker."""
+        ...
+
     def next_requeue_delay(self, delivery: Delivery) -> float:
         """The hold before requeueing ``delivery`` (no copy of it could be published)."""
         ...
@@ -178,6 +182,13 @@ class Session(Frames):
         self.route = route
         self.inflight: dict[int, Ticket] = {}
         self.consumer_tag: str | None = None
+
+    def _ack_lost(self, delivery: Delivery) -> None:
+        """``delivery``'s work is done (handled, or its copy published) but its ack found
+        the channel dead: the broker will deliver it again, and that redelivery is
+        acked without running (see `reliable_mq._consume.acks.LostAcks`)."""
+        if delivery.message_id:
+            self.route.ack_lost(delivery.message_id, delivery.attempt)
 
     # -- tickets ------------------------------------------------------------
 
@@ -370,7 +381,8 @@ class Session(Frames):
         match settle:
             case Settle.ACK:
                 metrics.acked += 1
-                await self.ack(tag)
+                if not await self.ack(tag):
+                    self._ack_lost(ticket.delivery)
             case Settle.DUPLICATE:
                 metrics.duplicate += 1
                 delivery_log(ticket.delivery).debug("duplicate_skipped", by=cause.outcome)
@@ -421,7 +433,8 @@ class Session(Frames):
                 assert copy is not None
                 route.copy_published(delivery)
                 self._copied(delivery, decision, copy)
-                await self.ack_now(ticket.tag)
+                if not await self.ack_now(ticket.tag):
+                    self._ack_lost(delivery)  # its return must not make a second copy
                 return purpose
             if self.dead():
                 self.stale(1)

@@ -75,6 +75,7 @@ class _Job:
         "future",
         "loop",
         "on_end",
+        "returned",
         "started",
         "state",
     )
@@ -85,11 +86,12 @@ class _Job:
         args: tuple[Any, ...],
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[None],
-        on_end: Callable[[], None] | None = None,
+        on_end: Callable[[bool], None] | None = None,
     ) -> None:
         self.func = func
         self.args = args
         self.on_end = on_end
+        self.returned = False  # func ran and returned (no exception)
         self.context = contextvars.copy_context()  # the delivery task's: structlog context
         self.loop = loop
         self.future = future
@@ -141,7 +143,7 @@ class HandlerThreads:
         return len(self._threads)
 
     async def run(
-        self, func: SyncHandlerFunc, /, *args: Any, on_end: Callable[[], None] | None = None
+        self, func: SyncHandlerFunc, /, *args: Any, on_end: Callable[[bool], None] | None = None
     ) -> None:
         """Run ``func(*args)`` in a thread of the pool, in a copy of the caller's context.
 
@@ -154,7 +156,8 @@ class HandlerThreads:
             args: its arguments.
             on_end: called once on the event loop when ``func`` really ended,
                 late or not (a cancelled wait does not end a running thread), or
-                when it will never run (abandoned while queued, pool closed).
+                when it will never run (abandoned while queued, pool closed); with
+                True if ``func`` ran and returned (its effect is done, even late).
 
         Raises:
             ClosedError: the pool is closed.
@@ -241,6 +244,8 @@ class HandlerThreads:
             error = RuntimeError(f"handler raised StopIteration: {exc!r}")
         except BaseException as exc:  # everything goes back to the loop, as from a coroutine
             error = exc
+        else:
+            job.returned = True
         with self._lock:
             self._busy -= 1
             self._idle += 1
@@ -262,10 +267,10 @@ class HandlerThreads:
         if on_end is None:
             return
         if now:
-            on_end()
+            on_end(job.returned)
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
-            job.loop.call_soon_threadsafe(on_end)
+            job.loop.call_soon_threadsafe(on_end, job.returned)
 
     def _finished_late(self, job: _Job, error: BaseException | None) -> None:
         # Run in the job's context, whose structlog contextvars are bound
