@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
+import bisect
 import json
 import subprocess
 import time
@@ -326,6 +326,19 @@ class TestBrokerOutcomes:
             await declared.delete(if_unused=False, if_empty=False)
 
 
+def ascending_streams(order: list[int]) -> int:
+    """The fewest ascending (non-decreasing) streams whose interleaving is ``order``:
+    the length of its longest strictly descending subsequence (Dilworth)."""
+    tails: list[int] = []  # patience sorting on the negated values
+    for value in order:
+        index = bisect.bisect_left(tails, -value)
+        if index == len(tails):
+            tails.append(-value)
+        else:
+            tails[index] = -value
+    return len(tails)
+
+
 async def _publish_through_cuts(
     publisher: ReliablePublisher, queue: str, count: int, cut: Any, cut_at: tuple[int, ...]
 ) -> list[Any]:
@@ -367,7 +380,17 @@ class TestConnectionLoss:
                       connection=f"{publisher._supervisor.name}") >= 2  # fmt: skip
 
     async def test_republish_keeps_the_original_order(self, broker_url: str, queue: str) -> None:
-        """After a cut, the unconfirmed messages go out again in publish order."""
+        """After a cut, the unconfirmed messages go out again in publish order.
+
+        The queue holds two streams, each in publish order: what the dead
+        connection delivered, and what the new one sent. They may interleave:
+        the broker goes on reading frames the dead connection had already
+        written into its socket while the new connection republishes (seen
+        about 1 run in 4: 800, 1983, 801, 1984, ...). So the order is checked
+        as "at most two ascending streams" (its longest strictly descending
+        subsequence is at most 2 long), not as "at most one descent", which
+        failed on that interleaving although each stream was in order.
+        """
         async with TCPProxy("127.0.0.1", 5672) as proxy:
             settings = fast_settings(max_in_flight=3000)
             async with ReliablePublisher(
@@ -375,8 +398,7 @@ class TestConnectionLoss:
             ) as publisher:
                 await _publish_through_cuts(publisher, queue, 3000, proxy.cut, (500,))
         order = [int(m.body) for m in await drain_queue(broker_url, queue)]
-        descents = sum(1 for a, b in itertools.pairwise(order) if b < a)
-        assert descents <= 1, f"republished out of order ({descents} descents)"
+        assert ascending_streams(order) <= 2, "republished out of order"
         assert set(order) == set(range(3000))
 
     async def test_publish_while_disconnected_waits_for_reconnect(
@@ -506,3 +528,23 @@ class TestClose:
                 with pytest.raises(PublishAborted):
                     await p
             proxy.set_stall(False)
+
+
+class TestAscendingStreams:
+    """The order check of the republish test, on orders whose answer is known."""
+
+    @pytest.mark.unit
+    @pytest.mark.parametrize(
+        ("order", "streams"),
+        [
+            ([], 0),
+            ([0, 1, 2, 3], 1),
+            ([0, 1, 2, 1, 2, 3], 2),  # a republish after a cut: one descent
+            ([0, 1, 5, 2, 6, 3, 7], 2),  # two streams interleaved (the dead connection's tail)
+            ([0, 5, 2, 6, 1, 7], 3),  # 5, 2, 1: a third stream
+            ([3, 2, 1, 0], 4),  # republished in reverse
+            ([1, 1, 1], 1),  # duplicates in a row are one stream
+        ],
+    )
+    def test_streams(self, order: list[int], streams: int) -> None:
+        assert ascending_streams(order) == streams
