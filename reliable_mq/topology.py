@@ -240,7 +240,7 @@ _LEARN_ROUNDS = 16
 """Redeclares at most, to learn an adopted queue's arguments (RabbitMQ compares ~15)."""
 
 
-def _current_value(fault: Fault) -> tuple[str, Any] | None:
+def _current_value(fault: Fault) -> tuple[str, Any] | None:  # noqa: PLR0911 (a parser: one return per kind of value in the 406 text)
     """The argument a 406 names and the queue's own value (``_ABSENT`` for none)."""
     match = _INEQUIVALENT.search(fault.reply_text)
     if match is None:

@@ -11,7 +11,6 @@ too). A counterexample found while exploring becomes an ``@example``.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -107,14 +106,3 @@ def private_broker() -> Iterator[object]:
 
     with running_private_node("rtest") as node:
         yield node
-
-
-async def wait_until(predicate: object, timeout: float = 10.0, interval: float = 0.02) -> None:
-    """Poll ``predicate()`` until true, failing the test after ``timeout`` seconds."""
-    assert callable(predicate)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)

@@ -29,6 +29,7 @@ from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery
 from reliable_mq.handlers import AckPolicy, Reject, Retry
 from reliable_mq.topology import QueueTopology, QueueType, declare_topology, delete_topology
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -102,14 +103,6 @@ async def drain(queue: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
         await connection.close()
 
 
-async def wait_until(condition: Callable[[], bool], timeout: float, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or condition}")
-        await asyncio.sleep(0.02)
-
-
 @pytest.fixture(name="env")
 async def _env() -> AsyncIterator[Env]:
     env = Env()
@@ -147,7 +140,7 @@ class TestPrefetch:
         env.track(consumer)
         async with consumer:
             ids = await env.publish([b"x"] * 2000)
-            await wait_until(lambda: len(done) == 2000, 30, "all processed")
+            await wait_until(lambda: len(done) == 2000, timeout=30, what="all processed")
         assert peak <= 25
         assert peak >= 20  # the bound was actually reached
         assert consumer.stats().max_in_progress <= 25
@@ -173,7 +166,7 @@ class TestPrefetch:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"] * 200)
-            await wait_until(lambda: count == 200, 30)
+            await wait_until(lambda: count == 200, timeout=30)
         assert peak == 5
 
 
@@ -195,7 +188,7 @@ class TestBatchedAcks:
         env.track(consumer)
         async with consumer:
             ids = await env.publish([b"x"] * 3000)
-            await wait_until(lambda: len(seen) == 3000, 60, "all seen")
+            await wait_until(lambda: len(seen) == 3000, timeout=60, what="all seen")
             await asyncio.sleep(0.2)  # let the last batch flush
         stats = consumer.stats()
         assert set(seen) == set(ids)
@@ -232,7 +225,7 @@ class TestBatchedAcks:
         env.track(consumer)
         async with consumer:
             ids = await env.publish([b"x"] * 3000)
-            await wait_until(lambda: len(done) == 3000, 60, "all done")
+            await wait_until(lambda: len(done) == 3000, timeout=60, what="all done")
             await asyncio.sleep(0.2)
         stats = consumer.stats()
         assert stats.channel_reopens == 0  # no PRECONDITION_FAILED closed the channel
@@ -259,7 +252,7 @@ class TestBatchedAcks:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"] * 30)
-            await wait_until(lambda: len(results) == 30, 10)
+            await wait_until(lambda: len(results) == 30, timeout=10)
             await asyncio.sleep(0.2)
         assert set(results) == {(True, False)}
         assert consumer.stats().channel_reopens == 0
@@ -282,7 +275,9 @@ class TestRetryAndDeadLetter:
         env.track(consumer)
         async with consumer:
             await env.publish([{"id": 7}], ids=["poison-1"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+            )
         assert [a for a, _ in attempts] == [1, 2, 3]
         gap1 = attempts[1][1] - attempts[0][1]
         gap2 = attempts[2][1] - attempts[1][1]
@@ -319,7 +314,7 @@ class TestRetryAndDeadLetter:
         env.track(consumer)
         async with consumer:
             await env.publish(["hello"])
-            await wait_until(lambda: len(attempts) == 2, 10)
+            await wait_until(lambda: len(attempts) == 2, timeout=10)
             await asyncio.sleep(0.1)
         assert attempts == [1, 2]
         stats = consumer.stats()
@@ -342,7 +337,7 @@ class TestRetryAndDeadLetter:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10)
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, timeout=10)
         assert calls == 1
         dead = await drain(consumer.topology(env.queue).dead_letter_queue)
         assert dead[0].headers["x-reliable-mq-reason"] == "rejected"
@@ -362,7 +357,7 @@ class TestRetryAndDeadLetter:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10)
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, timeout=10)
         assert calls == 1
         dead = await drain(consumer.topology(env.queue).dead_letter_queue)
         assert dead[0].headers["x-reliable-mq-reason"] == "handler_error"
@@ -385,8 +380,8 @@ class TestRetryAndDeadLetter:
             )  # fmt: skip
             await env.publish([b'{"id": 1}'], ids=["bad-type"], content_type="text/plain")
             await env.publish([{"id": 2}], ids=["good"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 3, 10)
-            await wait_until(lambda: handled == [2], 5)
+            await wait_until(lambda: consumer.stats().dead_lettered == 3, timeout=10)
+            await wait_until(lambda: handled == [2], timeout=5)
         dead = await drain(consumer.topology(env.queue).dead_letter_queue)
         by_id = {m.message_id: m.headers for m in dead}
         assert set(by_id) == {"bad-json", "bad-schema", "bad-type"}
@@ -415,7 +410,7 @@ class TestRetryAndDeadLetter:
         async with consumer:
             started = time.monotonic()
             await env.publish([b"x"])
-            await wait_until(lambda: "done:2" in events, 10)
+            await wait_until(lambda: "done:2" in events, timeout=10)
             elapsed = time.monotonic() - started
         assert events == ["cancelled", "done:2"]
         assert elapsed < 3
@@ -437,7 +432,7 @@ class TestQuorum:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"], ids=["q1"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 15)
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, timeout=15)
         assert attempts == [1, 2, 3]  # the 4th delivery went to the DLQ unhandled
         dead = await drain(consumer.topology(env.queue).dead_letter_queue)
         assert dead[0].message_id == "q1"
@@ -458,7 +453,7 @@ class TestQuorum:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"])
-            await wait_until(lambda: attempts == [1, 2], 10)
+            await wait_until(lambda: attempts == [1, 2], timeout=10)
 
 
 async def _rabbitmqctl(*args: str) -> str:
@@ -499,12 +494,18 @@ class TestFaults:
         async with consumer:
             pid = await _connection_pid(consumer.connection_name)
             ids = await env.publish([b"x"] * 600)
-            await wait_until(lambda: len(processed) >= 100, 20, "first hundred")
-            await wait_until(lambda: consumer.stats().in_progress > 0, 20, "handlers in flight")
+            await wait_until(lambda: len(processed) >= 100, timeout=20, what="first hundred")
+            await wait_until(
+                lambda: consumer.stats().in_progress > 0, timeout=20, what="handlers in flight"
+            )
             await _rabbitmqctl("close_connection", pid, "test cut")
-            await wait_until(lambda: consumer.stats().channel_reopens >= 1, 30, "the reopen")
+            await wait_until(
+                lambda: consumer.stats().channel_reopens >= 1, timeout=30, what="the reopen"
+            )
             cut_done.set()
-            await wait_until(lambda: set(ids) <= set(processed), 60, "every message processed")
+            await wait_until(
+                lambda: set(ids) <= set(processed), timeout=60, what="every message processed"
+            )
             await asyncio.sleep(0.3)
             stats = consumer.stats()
         assert stats.channel_reopens == 1  # the cut only: no PRECONDITION_FAILED afterwards
@@ -567,7 +568,7 @@ class TestFaults:
         def lines() -> list[str]:
             return out.read_text().split() if out.exists() else []
 
-        await wait_until(lambda: len(lines()) >= 30, 30, "subprocess processing")
+        await wait_until(lambda: len(lines()) >= 30, timeout=30, what="subprocess processing")
         process.send_signal(signal.SIGTERM)
         stdout, stderr = await asyncio.wait_for(process.communicate(), 20)
         assert process.returncode == 0, stderr.decode()
@@ -599,7 +600,7 @@ class TestLifecycle:
         env.track(consumer)
         await consumer.start()
         ids = await env.publish([b"x"] * 3)
-        await wait_until(lambda: len(started) == 3, 10)
+        await wait_until(lambda: len(started) == 3, timeout=10)
         begun = time.monotonic()
         await consumer.stop(grace=0.3)
         assert time.monotonic() - begun < 3
@@ -622,14 +623,16 @@ class TestLifecycle:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"], ids=["before"])
-            await wait_until(lambda: seen == ["before"], 5)
+            await wait_until(lambda: seen == ["before"], timeout=5)
             connection = await aio_pika.connect(URL)
             channel = await connection.channel()
             await channel.queue_delete(env.queue)
             await connection.close()
-            await wait_until(lambda: consumer.stats().channel_reopens == 1, 10, "reopened")
+            await wait_until(
+                lambda: consumer.stats().channel_reopens == 1, timeout=10, what="reopened"
+            )
             await env.publish([b"x"], ids=["after"])
-            await wait_until(lambda: seen == ["before", "after"], 5)
+            await wait_until(lambda: seen == ["before", "after"], timeout=5)
 
     async def test_run_returns_after_stop(self, env: Env) -> None:
         """run() returns once stop() is called from elsewhere, restoring signal handlers."""
@@ -643,9 +646,9 @@ class TestLifecycle:
         env.track(consumer)
         previous = signal.getsignal(signal.SIGTERM)
         runner = asyncio.create_task(consumer.run())
-        await wait_until(lambda: consumer.consuming, 10)
+        await wait_until(lambda: consumer.consuming, timeout=10)
         await env.publish(["hi"])
-        await wait_until(lambda: seen == ["hi"], 10)
+        await wait_until(lambda: seen == ["hi"], timeout=10)
         await consumer.stop()
         await asyncio.wait_for(runner, 10)
         assert signal.getsignal(signal.SIGTERM) == previous
@@ -666,7 +669,7 @@ class TestPoliciesAndMetrics:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"])
-            await wait_until(lambda: attempts == [1, 2], 10)
+            await wait_until(lambda: attempts == [1, 2], timeout=10)
             await asyncio.sleep(0.1)
         stats = consumer.stats()
         assert (stats.retried, stats.acked) == (1, 1)
@@ -685,7 +688,7 @@ class TestPoliciesAndMetrics:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"])
-            await wait_until(lambda: calls == 1, 10)
+            await wait_until(lambda: calls == 1, timeout=10)
             await asyncio.sleep(0.4)
         assert calls == 1
         assert consumer.stats().retried == 0
@@ -704,8 +707,8 @@ class TestPoliciesAndMetrics:
         async with consumer:
             await env.publish([b"x"] * 10)
             await env.publish([b"x"], ids=["bad"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10)
-            await wait_until(lambda: consumer.stats().acked == 10, 10)
+            await wait_until(lambda: consumer.stats().dead_lettered == 1, timeout=10)
+            await wait_until(lambda: consumer.stats().acked == 10, timeout=10)
             await asyncio.sleep(0.1)
 
         def value(name: str, **labels: str) -> float:
@@ -743,7 +746,7 @@ class TestRepublishEdges:
                 aio_pika.Message(b'{"a": 1}', message_id="no-ct"), routing_key=env.queue
             )
             await connection.close()
-            await wait_until(lambda: len(seen) == 2, 10)
+            await wait_until(lambda: len(seen) == 2, timeout=10)
         assert seen == [(1, {"a": 1}), (2, {"a": 1})]
         assert consumer.stats().dead_lettered == 0
 

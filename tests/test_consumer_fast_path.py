@@ -55,6 +55,7 @@ from reliable_mq.handlers import AckPolicy
 from reliable_mq.metrics import Metrics
 from reliable_mq.testing import TCPProxy
 from reliable_mq.topology import QueueTopology, delete_topology
+from tests.support.waiting import wait_until
 
 URL = os.environ.get("RELIABLE_MQ_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
 Basic = commands.Basic
@@ -546,14 +547,6 @@ async def _env() -> AsyncIterator[Env]:
         await connection.close()
 
 
-async def wait_until(condition: Any, timeout: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.rabbitmq
 class TestOnTheBroker:
     async def test_the_consumer_connection_decodes_with_ours(self, env: Env) -> None:
@@ -606,7 +599,7 @@ class TestOnTheBroker:
                     )
             finally:
                 await connection.close()
-            await wait_until(lambda: len(seen) == len(bodies), 20, "every body")
+            await wait_until(lambda: len(seen) == len(bodies), timeout=20, what="every body")
         for name, body in bodies.items():
             got, delivery = seen[name]
             assert got == body, name
@@ -645,9 +638,9 @@ class TestOnTheBroker:
                     )
                 finally:
                     await connection.close()
-                await wait_until(lambda: runs == ["first"], 20, "the first run")
+                await wait_until(lambda: runs == ["first"], timeout=20, what="the first run")
                 assert await proxy.cut() >= 1
-                await wait_until(lambda: "again" in runs, 30, "the redelivery")
+                await wait_until(lambda: "again" in runs, timeout=30, what="the redelivery")
                 stats = consumer.stats()
         assert runs == ["first", "cancelled", "again"]
         assert stats.stale == 1
@@ -679,12 +672,18 @@ class TestOnTheBroker:
             finally:
                 await connection.close()
             await wait_until(
-                lambda: value("reliable_mq_handlers_in_progress") == 1, 20, "the gauge at 1"
+                lambda: value("reliable_mq_handlers_in_progress") == 1,
+                timeout=20,
+                what="the gauge at 1",
             )
             release.set()
             await wait_until(
-                lambda: value("reliable_mq_handlers_in_progress") == 0, 20, "the gauge at 0"
+                lambda: value("reliable_mq_handlers_in_progress") == 0,
+                timeout=20,
+                what="the gauge at 0",
             )
             await wait_until(
-                lambda: value("reliable_mq_handler_duration_seconds_count") == 1, 20, "a duration"
+                lambda: value("reliable_mq_handler_duration_seconds_count") == 1,
+                timeout=20,
+                what="a duration",
             )

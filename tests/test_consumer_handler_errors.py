@@ -50,7 +50,8 @@ from reliable_mq.headers import (
 )
 from reliable_mq.testing import TCPProxy
 from tests.conftest import proxied_url
-from tests.test_consumer_broker import URL, Env, _env, drain, wait_until  # noqa: F401 (_env: fixture)
+from tests.support.waiting import wait_until
+from tests.test_consumer_broker import URL, Env, _env, drain  # noqa: F401 (_env: fixture)
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -92,9 +93,11 @@ class TestNotAnExit:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x", b"y"], ids=["bad", "good"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
-            await wait_until(lambda: handled == ["good"], 10, "the good message")
-            await wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+            )
+            await wait_until(lambda: handled == ["good"], timeout=10, what="the good message")
+            await wait_until(lambda: consumer.stats().in_progress == 0, timeout=10, what="settled")
             stats = consumer.stats()
         assert attempts == [1, 2]
         assert (stats.requeued, stats.retried, stats.channel_reopens) == (0, 1, 0)
@@ -115,8 +118,10 @@ class TestNotAnExit:
         env.track(consumer)
         async with consumer:
             await env.publish([{"n": 0}, {"n": 1}], ids=["bad", "good"])
-            await wait_until(lambda: handled == [1], 10, "the good message")
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(lambda: handled == [1], timeout=10, what="the good message")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+            )
         dead = {m.message_id: dict(m.headers) for m in await drain(f"{env.queue}.dlq")}
         assert dead["bad"][REASON_HEADER] == "invalid_body"
         assert dead["bad"][ERROR_TYPE_HEADER] == "GeneratorExit"
@@ -143,8 +148,10 @@ class TestUndescribable:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"], ids=["bad"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
-            await wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+            )
+            await wait_until(lambda: consumer.stats().in_progress == 0, timeout=10, what="settled")
             stats = consumer.stats()
         assert attempts == [1, 2]
         assert (stats.retried, stats.requeued, stats.fallbacks) == (1, 0, 0)
@@ -164,7 +171,9 @@ class TestUndescribable:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"], ids=["bad"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+            )
         dead = {m.message_id: dict(m.headers) for m in await drain(f"{env.queue}.dlq")}
         assert dead["bad"][REASON_HEADER] == "rejected"
         assert dead["bad"][ERROR_TYPE_HEADER] == "Reject"
@@ -188,7 +197,9 @@ class TestUndescribable:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"], ids=["bad"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+            )
             stats = consumer.stats()
         assert (stats.retried, stats.requeued) == (1, 0)
         dead = {m.message_id: dict(m.headers) for m in await drain(f"{env.queue}.dlq")}
@@ -214,8 +225,10 @@ class TestUndescribable:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"], ids=["bad"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
-            await wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+            )
+            await wait_until(lambda: consumer.stats().in_progress == 0, timeout=10, what="settled")
             stats = consumer.stats()
         assert runs == [1]
         assert (stats.fallbacks, stats.requeued) == (2, 0)  # full copy, trimmed copy, broker
@@ -259,8 +272,8 @@ class TestDeadlineDuringSettle:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"], ids=["slow"])
-            await wait_until(lambda: runs == [1, 2], 10, "the retry copy handled")
-            await wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            await wait_until(lambda: runs == [1, 2], timeout=10, what="the retry copy handled")
+            await wait_until(lambda: consumer.stats().in_progress == 0, timeout=10, what="settled")
             stats = consumer.stats()
         assert returned == [True]
         assert cancelled == [1]
@@ -306,8 +319,8 @@ class TestSwallowedCancel:
             await env.publish([b"x"], ids=["cut"])
             await asyncio.wait_for(running.wait(), 10)
             assert await proxy.cut() > 0
-            await wait_until(lambda: done == [True], 10, "the redelivery handled")
-            await wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            await wait_until(lambda: done == [True], timeout=10, what="the redelivery handled")
+            await wait_until(lambda: consumer.stats().in_progress == 0, timeout=10, what="settled")
             stats = consumer.stats()
         assert runs == [(1, False), (1, True)]
         assert (stats.duplicates, stats.stale, stats.acked, stats.channel_reopens) == (0, 1, 1, 1)

@@ -34,7 +34,8 @@ from reliable_mq.headers import (
     REASON_HEADER,
 )
 from tests.support.amqp import ESCAPED, MARK, NOT_UTF8, PLACEHOLDER_TIME, hostile_frames
-from tests.test_consumer_broker import URL, Env, _env, drain, wait_until  # noqa: F401 (_env: fixture)
+from tests.support.waiting import wait_until
+from tests.test_consumer_broker import URL, Env, _env, drain  # noqa: F401 (_env: fixture)
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -70,7 +71,7 @@ async def _publish_raw(queue: str, body: bytes, message_id: str, **kw: Any) -> N
 
 async def _settled(consumer: ReliableConsumer) -> None:
     """Wait until nothing is in a handler, then check it stays so."""
-    await wait_until(lambda: consumer.stats().in_progress == 0, 10, "in_progress 0")
+    await wait_until(lambda: consumer.stats().in_progress == 0, timeout=10, what="in_progress 0")
 
 
 def _dead(messages: list[Any]) -> dict[str, dict[str, Any]]:
@@ -92,7 +93,9 @@ class TestWedges:
         env.track(consumer)
         async with consumer:
             await env.publish([{"n": 13}, {"n": 1}], ids=["bad", "good"])
-            await wait_until(lambda: handled == [1], 10, "the good message behind the bad one")
+            await wait_until(
+                lambda: handled == [1], timeout=10, what="the good message behind the bad one"
+            )
             await _settled(consumer)
             assert consumer.stats().dead_lettered == 1
         dead = _dead(await drain(consumer.topology(env.queue).dead_letter_queue))
@@ -118,8 +121,10 @@ class TestWedges:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x", b"y"], ids=["bad", "good"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
-            await wait_until(lambda: handled == ["good"], 10, "the good message")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+            )
+            await wait_until(lambda: handled == ["good"], timeout=10, what="the good message")
             await _settled(consumer)
             stats = consumer.stats()
         assert attempts == [1, 2]
@@ -143,7 +148,7 @@ class TestWedges:
             await env.publish(
                 [deep, b'{"ok": 1}'], ids=["deep", "good"], content_type="application/json"
             )
-            await wait_until(lambda: handled == [{"ok": 1}], 10, "the good message")
+            await wait_until(lambda: handled == [{"ok": 1}], timeout=10, what="the good message")
             await _settled(consumer)
         dead = _dead(await drain(consumer.topology(env.queue).dead_letter_queue))
         assert dead["deep"][REASON_HEADER] == "invalid_body"
@@ -165,7 +170,7 @@ class TestWedges:
         env.track(consumer)
         async with consumer:
             await env.publish([b"1", b"2", b"3"], ids=["recursion", "memory", "good"])
-            await wait_until(lambda: handled == ["good"], 10, "the good message")
+            await wait_until(lambda: handled == ["good"], timeout=10, what="the good message")
             await _settled(consumer)
         dead = _dead(await drain(consumer.topology(env.queue).dead_letter_queue))
         assert dead["recursion"][ERROR_TYPE_HEADER] == "RecursionError"
@@ -196,7 +201,9 @@ class TestWedges:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"], ids=["m"])
-            await wait_until(lambda: handled == ["m"], 10, "handled after the store answers")
+            await wait_until(
+                lambda: handled == ["m"], timeout=10, what="handled after the store answers"
+            )
             await _settled(consumer)
             stats = consumer.stats()
         assert (stats.deferred, stats.acked) == (2, 1)
@@ -264,7 +271,7 @@ class TestUnpublishableCopies:
         async with consumer:
             big = "x" * 130_500  # frame_max is 131,072: the original fits
             await _publish_raw(env.queue, b"body", "big", headers={"big": big, "keep": 1})
-            await wait_until(lambda: len(seen) == 2, 15, "the retried attempt")
+            await wait_until(lambda: len(seen) == 2, timeout=15, what="the retried attempt")
             await _settled(consumer)
             stats = consumer.stats()
         assert seen[0][1]["big"] == big
@@ -292,8 +299,10 @@ class TestUnpublishableCopies:
         async with Policy(rf"^{env.queue}\.retry\.", REFUSE_ALL):
             async with consumer:
                 await env.publish([b"x", b"y"], ids=["bad", "good"])
-                await wait_until(lambda: handled == ["good"], 15, "the good message")
-                await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+                await wait_until(lambda: handled == ["good"], timeout=15, what="the good message")
+                await wait_until(
+                    lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+                )
                 await _settled(consumer)
                 stats = consumer.stats()
         assert (stats.retried, stats.fallbacks) == (0, 1)
@@ -326,11 +335,13 @@ class TestUnpublishableCopies:
         dlq = consumer.topology(env.queue).dead_letter_queue
         async with Policy(f"^{dlq}$", REFUSE_ALL) as refusing, consumer:
             await env.publish([b"x"], ids=["poison"])
-            await wait_until(lambda: consumer.stats().requeued >= 2, 15, "two holds")
+            await wait_until(lambda: consumer.stats().requeued >= 2, timeout=15, what="two holds")
             # Holds of 0.3 s then 0.6 s: a spinning consumer would have run it hundreds of times.
             assert calls <= 4
             await refusing.clear()
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 20, "in the DLQ")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=20, what="in the DLQ"
+            )
             await _settled(consumer)
             stats = consumer.stats()
         assert stats.fallbacks >= 2
@@ -355,7 +366,9 @@ class TestUnpublishableCopies:
         env.track(consumer)
         async with consumer:
             await env.publish([b"x"], ids=["odd"])
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 15, "dead-lettered")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=15, what="dead-lettered"
+            )
             await _settled(consumer)
             stats = consumer.stats()
         assert len(seen) == 2
@@ -392,7 +405,7 @@ class TestUnpublishableCopies:
                         b"x", routing_key=env.queue, message_id="long", headers={long_name: 1}
                     )
             published.set()
-            await wait_until(lambda: len(seen) == 2, 15, "the retried attempt")
+            await wait_until(lambda: len(seen) == 2, timeout=15, what="the retried attempt")
             await _settled(consumer)
             stats = consumer.stats()
         assert seen[0][long_name] == 1
@@ -436,8 +449,12 @@ class TestUnpublishableCopies:
                     await asyncio.sleep(0.05)
             runs = len(poison)
             await refusing.clear()
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 20, "in the DLQ")
-            await wait_until(lambda: consumer.stats().retried >= 70, 10, "the good retries")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=20, what="in the DLQ"
+            )
+            await wait_until(
+                lambda: consumer.stats().retried >= 70, timeout=10, what="the good retries"
+            )
             await _settled(consumer)
         # Holds of 0.2, 0.4, 0.8, 1.6 s: about 5 runs in 3.5 s. A hold reset by every
         # other copy published would have run it every ~0.2 s (about 15 times).
@@ -506,7 +523,9 @@ class TestUndecodableDeliveries:
         async with consumer:
             options = {"message_id": "bad", **options}
             await _publish_hostile(env, **options)
-            await wait_until(lambda: len(handled) == 3, 10, "the good messages behind it")
+            await wait_until(
+                lambda: len(handled) == 3, timeout=10, what="the good messages behind it"
+            )
             await _settled(consumer)
             stats = consumer.stats()
         assert handled == ["good0", "good1", "good2"]
@@ -548,7 +567,9 @@ class TestUndecodableDeliveries:
             async with consumer:
                 await (await channel.get_queue(env.queue)).bind(fanout)
                 await _publish_hostile(env, exchange=exchange, routing_key=MARK, message_id="bad")
-                await wait_until(lambda: len(handled) == 3, 10, "the good messages behind it")
+                await wait_until(
+                    lambda: len(handled) == 3, timeout=10, what="the good messages behind it"
+                )
                 await _settled(consumer)
                 stats = consumer.stats()
         assert (stats.dead_lettered, stats.channel_reopens) == (1, 0)
@@ -572,7 +593,9 @@ class TestUndecodableDeliveries:
         env.track(consumer)
         async with consumer:
             await _publish_hostile(env, message_id="bad", headers={"k": MARK})
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+            )
             await _settled(consumer)
             stats = consumer.stats()
         assert seen == [NOT_UTF8, NOT_UTF8]
@@ -597,12 +620,16 @@ class TestUndecodableDeliveries:
         env.track(consumer)
         async with consumer:
             await env.publish([b"s"], ids=["slow"])
-            await wait_until(lambda: consumer.stats().in_progress == 1, 10, "the slow handler")
+            await wait_until(
+                lambda: consumer.stats().in_progress == 1, timeout=10, what="the slow handler"
+            )
             await _publish_hostile(env, message_id=MARK)
-            await wait_until(lambda: consumer.stats().dead_lettered == 1, 10, "dead-lettered")
-            await wait_until(lambda: len(handled) == 3, 10, "the good messages")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == 1, timeout=10, what="dead-lettered"
+            )
+            await wait_until(lambda: len(handled) == 3, timeout=10, what="the good messages")
             release.set()
-            await wait_until(lambda: len(handled) == 4, 10, "the slow one")
+            await wait_until(lambda: len(handled) == 4, timeout=10, what="the slow one")
             await _settled(consumer)
             stats = consumer.stats()
         assert not any(redelivered for _, redelivered in handled)

@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry
 from reliable_mq import AckPolicy, ConsumerError, Delivery, ReliableConsumer, ReliablePublisher
 from reliable_mq.headers import ATTEMPT_HEADER
 from reliable_mq.testing import TCPProxy
-from tests.conftest import proxied_url, wait_until
+from tests.conftest import proxied_url
 from tests.support.amqp import drain_queue
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.rabbitmq
 

@@ -30,7 +30,7 @@ import os
 import sys
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from reliable_mq.topology import QueueTopology, declare_topology, delete_topolog
 from tests.fuzz.wire_inputs import pika_properties
 from tests.support import pika_client
 from tests.support.pika_client import PROPERTIES, same, seconds_of
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -101,15 +102,6 @@ async def _cli(*args: str) -> tuple[int, str]:
     return process.returncode, out.decode()
 
 
-async def _wait(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def run_hops(
     messages: list[dict[str, Any]],
     *,
@@ -152,14 +144,20 @@ async def run_hops(
                 bodies, messages, publish_urls or [url] * len(messages), strict=True
             ):
                 await asyncio.to_thread(pika_client.publish, source, queue, [(body, message)])
-            await _wait(lambda: consumer.stats().dead_lettered == len(messages), "every DLQ copy")
+            await wait_until(
+                lambda: consumer.stats().dead_lettered == len(messages),
+                what="every DLQ copy",
+                timeout=30,
+            )
             for received in await asyncio.to_thread(
                 pika_client.get_all, url, topology.dead_letter_queue, requeue=True
             ):
                 hops[received.body]["dlq"] = received.properties
             code, output = await _cli("dlq", "move", queue, "--all", "--url", url)
             assert code == 0, output
-            await _wait(lambda: all("moved" in hops[b] for b in bodies), "every moved copy")
+            await wait_until(
+                lambda: all("moved" in hops[b] for b in bodies), what="every moved copy", timeout=30
+            )
     finally:
         connection = await aio_pika.connect(url)
         async with connection:
@@ -272,7 +270,7 @@ async def consume(queue: str, count: int) -> dict[bytes, dict[str, Any]]:
         seen[body] = _ours(delivery)
 
     async with consumer:
-        await _wait(lambda: len(seen) == count, f"{count} messages")
+        await wait_until(lambda: len(seen) == count, what=f"{count} messages", timeout=30)
     return seen
 
 
@@ -329,7 +327,9 @@ class TestTimestamps:
                         (b"header", {"headers": {"t": _raw_seconds(millis)}, "message_id": "h"}),
                     ],
                 )
-                await _wait(lambda: consumer.stats().dead_lettered == 2, "two dead letters")
+                await wait_until(
+                    lambda: consumer.stats().dead_lettered == 2, what="two dead letters", timeout=30
+                )
             dead = await asyncio.to_thread(
                 pika_client.get_all, URL, queue_topology.dead_letter_queue
             )

@@ -33,6 +33,7 @@ from reliable_mq.settings import ConsumerSettings
 from reliable_mq.testing import LossOracle, TCPProxy
 from reliable_mq.topology import QueueTopology, delete_topology
 from tests.support.private_redis import PrivateRedis
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -139,14 +140,6 @@ def _counts(raw: dict[Any, Any]) -> dict[str, int]:
     return {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
 
 
-async def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def queue_depth(queues: list[str]) -> int:
     """Ready messages in ``queues`` (for waiting until quiet, never as the oracle)."""
     connection = await aio_pika.connect(URL)
@@ -229,7 +222,9 @@ class TestDuplicates:
         async with consumer:
             await env.publish(ids)
             await env.publish(ids)
-            await wait_until(lambda: consumer.stats().duplicates == 30, 30, "30 duplicates")
+            await wait_until(
+                lambda: consumer.stats().duplicates == 30, timeout=30, what="30 duplicates"
+            )
             await wait_quiet(env, [consumer])
             stats = consumer.stats()
         assert effects == dict.fromkeys(ids, 1)
@@ -256,9 +251,11 @@ class TestDuplicates:
             ids = [f"m{i}" for i in range(50)]
             async with consumer:
                 await env.publish(ids)
-                await wait_until(lambda: len(effects) == 50, 20, "50 effects")
+                await wait_until(lambda: len(effects) == 50, timeout=20, what="50 effects")
                 assert await proxy.cut() >= 1
-                await wait_until(lambda: consumer.stats().duplicates == 50, 30, "redeliveries")
+                await wait_until(
+                    lambda: consumer.stats().duplicates == 50, timeout=30, what="redeliveries"
+                )
                 stats = consumer.stats()
         assert effects == dict.fromkeys(ids, 1)
         assert stats.channel_reopens >= 1
@@ -277,7 +274,7 @@ class TestDuplicates:
 
         async with consumer:
             await env.publish(["m0"])
-            await wait_until(lambda: len(attempts) == 2, 10, "the retry")
+            await wait_until(lambda: len(attempts) == 2, timeout=10, what="the retry")
             await wait_quiet(env, [consumer])
             stats = consumer.stats()
         assert attempts == [1, 2]
@@ -309,7 +306,7 @@ class TestDuplicates:
                     for _ in range(2):
                         for mid in ids:
                             await pub.publish(b"x", routing_key=queue, message_id=mid)
-            await wait_until(lambda: sum(effects.values()) == 9, 20, "9 effects")
+            await wait_until(lambda: sum(effects.values()) == 9, timeout=20, what="9 effects")
             await wait_quiet(env, [consumer])
         assert {k: v for k, v in effects.items() if k[0] == env.queue} == {
             (env.queue, mid): 1 for mid in ids
@@ -347,7 +344,7 @@ class TestDuplicates:
                         aio_pika.Message(b"no-id"), routing_key=env.queue
                     )
             monkeypatch.undo()
-            await wait_until(lambda: len(seen) == 2, 10, "both copies")
+            await wait_until(lambda: len(seen) == 2, timeout=10, what="both copies")
         assert seen == ["", ""]
         assert env.metric("reliable_mq_dedup_events_total", event="no_message_id") == 2
 
@@ -375,7 +372,9 @@ class TestDuplicates:
         async with consumer:
             await env.publish(ids)
             await env.publish(ids)
-            await wait_until(lambda: consumer.stats().duplicates == 20, 20, "duplicates")
+            await wait_until(
+                lambda: consumer.stats().duplicates == 20, timeout=20, what="duplicates"
+            )
         with sqlite3.connect(path) as conn:
             rows = [r[0] for r in conn.execute("SELECT message_id FROM effects")]
         assert sorted(rows) == sorted(ids)
@@ -562,13 +561,13 @@ class TestSharedRedisStore:
             ids = [f"m{i}" for i in range(1500)]
             async with consumer:
                 publishing = asyncio.create_task(env.publish(ids + ids))
-                await wait_until(lambda: len(effects) >= 300, 30, "300 effects")
+                await wait_until(lambda: len(effects) >= 300, timeout=30, what="300 effects")
                 server.kill()
                 await asyncio.sleep(1.5)
                 during = len(effects)
                 server.start()
                 await publishing
-                await wait_until(lambda: len(effects) == len(ids), 60, "every effect")
+                await wait_until(lambda: len(effects) == len(ids), timeout=60, what="every effect")
                 await wait_quiet(env, [consumer])
                 stats = consumer.stats()
         finally:
@@ -652,7 +651,9 @@ async def test_end_to_end_connection_cuts(env: Env) -> None:
                 ids, url=f"amqp://guest:guest@127.0.0.1:{pub_proxy.port}/", oracle=oracle
             )
             await wait_until(
-                lambda: oracle.report().distinct_delivered == count, 120, "every effect"
+                lambda: oracle.report().distinct_delivered == count,
+                timeout=120,
+                what="every effect",
             )
             await asyncio.wait_for(cutting, 30)
             await wait_quiet(env, consumers)

@@ -18,7 +18,6 @@ import asyncio
 import collections
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -31,13 +30,7 @@ from reliable_mq.delivery import Delivery
 from reliable_mq.testing import TCPProxy
 from tests.conftest import proxied_url
 from tests.support.amqp import drain_queue
-
-
-async def _wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
+from tests.support.waiting import wait_until
 
 
 def _consumer(proxy: TCPProxy, queue: str, **settings: object) -> ReliableConsumer:
@@ -71,10 +64,14 @@ class TestLostAcks:
         async with consumer, ReliablePublisher(broker_url, registry=CollectorRegistry()) as pub:
             for message_id in ids:
                 await pub.publish(b"x", routing_key=queue, message_id=message_id)
-            await _wait_until(lambda: len(effects) == len(ids), 10, "every message handled")
+            await wait_until(
+                lambda: len(effects) == len(ids), timeout=10, what="every message handled"
+            )
             assert consumer.stats().ack_frames == 0  # all 20 acks still batched
             assert await proxy.cut() > 0
-            await _wait_until(lambda: consumer.stats().duplicates == len(ids), 15, "redeliveries")
+            await wait_until(
+                lambda: consumer.stats().duplicates == len(ids), timeout=15, what="redeliveries"
+            )
             redelivered = [m for m in ids if effects[m] != 1]
             stats = consumer.stats()
         assert redelivered == []
@@ -102,10 +99,12 @@ class TestLostAcks:
 
         async with consumer, ReliablePublisher(broker_url, registry=CollectorRegistry()) as pub:
             await pub.publish(b"x", routing_key=queue, message_id="slow")
-            await _wait_until(started.is_set, 10, "the handler started")
+            await wait_until(started.is_set, timeout=10, what="the handler started")
             assert await proxy.cut() > 0
-            await _wait_until(lambda: consumer.stats().duplicates == 1, 20, "the redelivery")
-            await _wait_until(lambda: consumer.stats().in_progress == 0, 10, "settled")
+            await wait_until(
+                lambda: consumer.stats().duplicates == 1, timeout=20, what="the redelivery"
+            )
+            await wait_until(lambda: consumer.stats().in_progress == 0, timeout=10, what="settled")
             await asyncio.sleep(0.5)  # nothing else comes
             stats = consumer.stats()
         assert dict(effects) == {"slow": 1}

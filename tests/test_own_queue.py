@@ -20,7 +20,7 @@ from reliable_mq import (
     Retry,
 )
 from reliable_mq.topology import QueueCheck, QueueTopology, delete_topology, prepare_topology
-from tests.conftest import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(120)]
 

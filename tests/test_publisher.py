@@ -31,8 +31,9 @@ from reliable_mq import (
     ReliablePublisher,
 )
 from reliable_mq.testing import TCPProxy
-from tests.conftest import proxied_url, wait_until
+from tests.conftest import proxied_url
 from tests.support.amqp import drain_queue
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.rabbitmq
 

@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from reliable_mq import ConnectionSettings, Message, PublisherSettings, ReliablePublisher
 from reliable_mq.testing import TCPProxy
-from tests.conftest import proxied_url, wait_until
+from tests.conftest import proxied_url
 from tests.support.amqp import drain_queue
 from tests.support.proc import rss_bytes
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(300)]
 

@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from reliable_mq import Message, PublishError, ReliablePublisher
 from reliable_mq.testing import LossOracle, TCPProxy
-from tests.conftest import proxied_url, wait_until
+from tests.conftest import proxied_url
 from tests.support.amqp import drain_queue
+from tests.support.waiting import wait_until
 from tests.test_publisher import conn, fast_settings
 
 pytestmark = pytest.mark.rabbitmq

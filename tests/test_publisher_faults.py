@@ -17,8 +17,8 @@ from reliable_mq import (
     PublishUnroutable,
     ReliablePublisher,
 )
-from tests.conftest import wait_until
 from tests.support.amqp import drain_queue
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.private_broker, pytest.mark.timeout(240)]
 

@@ -37,8 +37,8 @@ from reliable_mq import (
     ReliablePublisher,
 )
 from reliable_mq._publish import exchanges as _exchanges
-from tests.conftest import wait_until
 from tests.support.amqp import drain_queue
+from tests.support.waiting import wait_until
 from tests.test_publisher import conn, fast_settings
 
 pytestmark = pytest.mark.rabbitmq

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
 
 import aio_pika
 import pytest
 from aio_pika.abc import AbstractConnection
 
 from reliable_mq.testing import TCPProxy
+from tests.support.waiting import wait_until
 
 BROKER_HOST = "127.0.0.1"
 BROKER_PORT = 5672
@@ -36,14 +36,6 @@ def on_close_event(connection: AbstractConnection) -> asyncio.Event:
     closed = asyncio.Event()
     connection.close_callbacks.add(lambda *_: closed.set())
     return closed
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    pytest.fail(f"condition not met within {timeout}s")
 
 
 async def test_start_close_and_restart_on_same_port() -> None:
@@ -143,7 +135,7 @@ async def test_cut_closes_connection_and_new_ones_work(proxy: TCPProxy) -> None:
         assert proxy.connections_total == 2
     finally:
         await again.close()
-    await wait_until(lambda: proxy.active_connections == 0)
+    await wait_until(lambda: proxy.active_connections == 0, timeout=5.0, interval=0.01)
     assert await proxy.cut() == 0
 
 

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +37,12 @@ from reliable_mq.handlers import AckPolicy, HandlerSpec, Reject, Retry, Router
 from reliable_mq.headers import ERROR_TYPE_HEADER, REASON_HEADER
 from reliable_mq.topology import QueueTopology, delete_topology
 from tests.support.amqp import drain_queue
+from tests.support.waiting import wait_until
 
 URL = os.environ.get("RELIABLE_MQ_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
 ROOT = Path(__file__).resolve().parent.parent
 WAIT = 20.0
 """Seconds any condition may take (generous: a loaded 2-core machine)."""
-
-
-async def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 class Gate:
@@ -247,8 +240,10 @@ class TestHandlerThreads:
                     await waiter
                 assert pool.busy == 1
                 gate.release.set()
-                await wait_until(lambda: pool.busy == 0, "the late thread to finish")
-                await wait_until(lambda: bool(logs), "the late log line")
+                await wait_until(
+                    lambda: pool.busy == 0, what="the late thread to finish", timeout=WAIT
+                )
+                await wait_until(lambda: bool(logs), what="the late log line", timeout=WAIT)
             assert logs[0]["event"] == "handler_finished_late"
             assert "late" in logs[0]["error"]
             ran: list[str] = []
@@ -298,7 +293,9 @@ class TestHandlerThreads:
             gate.release.set()
         await first  # the running job still completes normally
         await wait_until(
-            lambda: not any(t.name == "t-1" for t in threading.enumerate()), "the thread to exit"
+            lambda: not any(t.name == "t-1" for t in threading.enumerate()),
+            what="the thread to exit",
+            timeout=WAIT,
         )
 
     async def test_a_thread_that_cannot_start_fails_the_call_not_the_pool(
@@ -444,7 +441,8 @@ class TestOutcomes:
                     and s.dead_lettered == 5
                     and s.in_progress == 0
                 ),
-                "1 ack and 5 dead letters, and nothing in progress",
+                what="1 ack and 5 dead letters, and nothing in progress",
+                timeout=WAIT,
             )
             stats = consumer.stats()
         assert (stats.retried, stats.in_progress, stats.threads_busy) == (3, 0, 0)
@@ -497,7 +495,9 @@ class TestOutcomes:
         count = 10 * limit
         async with consumer:
             await env.publish(*([b"x"] * count), ids=[f"m{n}" for n in range(count)])
-            await wait_until(lambda: consumer.stats().acked == count, f"{count} acks")
+            await wait_until(
+                lambda: consumer.stats().acked == count, what=f"{count} acks", timeout=WAIT
+            )
         assert peak == limit  # reached, never passed
         assert len(idents) <= limit
 
@@ -526,7 +526,8 @@ class TestTimeoutsAndStop:
                     await env.publish(b"x", ids=["slow"])
                     await wait_until(
                         lambda: (s := consumer.stats()).deferred >= 2 and s.in_progress == 0,
-                        "attempt 2 deferred while attempt 1 still runs",
+                        what="attempt 2 deferred while attempt 1 still runs",
+                        timeout=WAIT,
                     )
                     stats = consumer.stats()
                     assert (stats.retried, stats.acked, stats.threads_busy) == (1, 0, 1)
@@ -534,9 +535,14 @@ class TestTimeoutsAndStop:
                     gate.release.set()
                     await wait_until(
                         lambda: (s := consumer.stats()).acked == 1 and s.in_progress == 0,
-                        "attempt 2's ack, and nothing in progress",
+                        what="attempt 2's ack, and nothing in progress",
+                        timeout=WAIT,
                     )
-                    await wait_until(lambda: consumer.stats().threads_busy == 0, "a free thread")
+                    await wait_until(
+                        lambda: consumer.stats().threads_busy == 0,
+                        what="a free thread",
+                        timeout=WAIT,
+                    )
                     await asyncio.sleep(0.3)  # room for a (wrong) second settle
                     stats = consumer.stats()
                     depths = [
@@ -599,7 +605,11 @@ class TestTimeoutsAndStop:
                 took = time.monotonic() - started
                 stats = consumer.stats()
                 gate.release.set()
-                await wait_until(lambda: consumer.stats().threads_busy == 0, "the thread to end")
+                await wait_until(
+                    lambda: consumer.stats().threads_busy == 0,
+                    what="the thread to end",
+                    timeout=WAIT,
+                )
             finally:
                 gate.release.set()
                 await consumer.stop()

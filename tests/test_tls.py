@@ -34,8 +34,8 @@ from reliable_mq import (
     declare_topology,
 )
 from reliable_mq.topology import QueueTopology, delete_topology
-from tests.conftest import wait_until
 from tests.support.private_node import PrivateBroker, find_rabbitmq_sbin, free_port
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.private_broker, pytest.mark.timeout(180)]
 

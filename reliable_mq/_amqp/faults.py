@@ -198,7 +198,7 @@ def _text(exc: BaseException) -> str:
     return redact_credentials(text)
 
 
-def classify(exc: BaseException) -> Fault | None:
+def classify(exc: BaseException) -> Fault | None:  # noqa: PLR0911, PLR0912 (a classifier: one case per aiormq error)
     """Classify ``exc``; ``None`` if it is not a broker or network error (a bug: re-raise it)."""
     text = _text(exc)
     match exc:
@@ -299,7 +299,7 @@ def is_return(exc: BaseException) -> bool:
     return isinstance(exc, aiormq.exceptions.PublishError)
 
 
-def reader_error(exc: BaseException) -> BaseException | None:
+def reader_error(exc: BaseException) -> BaseException | None:  # noqa: PLR0911 (one case per error aiormq's reader raises)
     """The error aiormq's frame reader raises for ``exc`` (None: raise ``exc`` itself).
 
     For a frame reader of ours that stands in for aiormq's on a connection

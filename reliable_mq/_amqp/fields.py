@@ -100,7 +100,7 @@ def _value(data: bytes, offset: int) -> tuple[Any, int]:
     return read_scalar(kind, data, offset)
 
 
-def read_scalar(kind: int, data: bytes, offset: int) -> tuple[Any, int]:
+def read_scalar(kind: int, data: bytes, offset: int) -> tuple[Any, int]:  # noqa: PLR0911 (a codec: one return per AMQP field type)
     """A field value of type ``kind`` that is no table, array or timestamp, at
     ``offset`` (past its type octet), as pamqp decodes it."""
     if kind in (_S, _X):

@@ -214,7 +214,7 @@ class Dispatcher:
         else:
             log.warning("handler_failed_after_settle", error=repr(error))
 
-    async def _run(self, route: Route, ticket: Ticket, acks_first: bool) -> Cause | None:
+    async def _run(self, route: Route, ticket: Ticket, acks_first: bool) -> Cause | None:  # noqa: PLR0911, PLR0912 (hot path: every delivery; one return per way a run ends before the handler)
         """Everything up to the handler's end, as a cause (None: settled already)."""
         delivery, spec, settings = ticket.delivery, route.spec, self.settings
         if spec.queue_only:  # as it came: the handler settles every delivery itself
@@ -279,7 +279,7 @@ class Dispatcher:
             return None
         return await self._call(route, ticket, body)
 
-    async def _call(self, route: Route, ticket: Ticket, body: Any) -> Cause:
+    async def _call(self, route: Route, ticket: Ticket, body: Any) -> Cause:  # noqa: PLR0911, PLR0912 (hot path: every delivery; one return per way a handler ends)
         """Run the handler; every way it can end becomes a cause."""
         spec, delivery, session = route.spec, ticket.delivery, ticket.session
         if spec.decode is None:

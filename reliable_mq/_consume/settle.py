@@ -171,7 +171,7 @@ def _retry(attempt: int, max_attempts: int) -> Decision:
     return Decision(Settle.RETRY)
 
 
-def decide(policy: AckPolicy, outcome: Outcome, attempt: int, max_attempts: int) -> Decision:
+def decide(policy: AckPolicy, outcome: Outcome, attempt: int, max_attempts: int) -> Decision:  # noqa: PLR0911, PLR0912 (one return per row of the decision table)
     """The settle for ``outcome`` under ``policy``, at ``attempt`` of ``max_attempts``.
 
     A retry at the last attempt becomes a dead letter (``max_attempts``). Under
@@ -261,7 +261,7 @@ class CopyFault(enum.StrEnum):
     """No connection, or the consumer is closing."""
 
 
-def copy_fault(error: BaseException) -> CopyFault:
+def copy_fault(error: BaseException) -> CopyFault:  # noqa: PLR0911 (one return per kind of publish error)
     """Classify an error raised while publishing a copy (any exception at all)."""
     match error:
         case PublishUnavailable() | ClosedError():

@@ -457,7 +457,7 @@ async def queue_count(link: Link, name: str) -> int | None:
 # -- messages as JSON ---------------------------------------------------------------
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:  # noqa: PLR0911 (a converter: one return per AMQP value type)
     """AMQP field values (bytes, datetimes, decimals, nested tables) as JSON values."""
     if isinstance(value, Mapping):
         return {str(key): jsonable(item) for key, item in value.items()}

@@ -111,17 +111,7 @@ class PublishSpec:
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
         self._set_connection(problems)
-        for name in _LIST_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, str):
-                problems.append((name, "must be a sequence of column names, not a str"))
-            else:
-                object.__setattr__(self, name, tuple(value))
-        if self.columns is not None:
-            if isinstance(self.columns, str):
-                problems.append(("columns", "must be a sequence of column names, not a str"))
-            else:
-                object.__setattr__(self, "columns", tuple(self.columns))
+        self._set_column_lists(problems)
         object.__setattr__(self, "headers", dict(self.headers))
         self._set_enum("ids", IdScheme, problems)
         self._set_enum("non_finite", NonFinite, problems)
@@ -156,6 +146,16 @@ class PublishSpec:
                 problems.extend(("url", msg) for _, msg in exc.problems)
                 connection = None
         object.__setattr__(self, "_connection", connection)
+
+    def _set_column_lists(self, problems: list[tuple[str, str]]) -> None:
+        for name in (*_LIST_FIELDS, "columns"):
+            value = getattr(self, name)
+            if value is None and name == "columns":
+                continue
+            if isinstance(value, str):
+                problems.append((name, "must be a sequence of column names, not a str"))
+            else:
+                object.__setattr__(self, name, tuple(value))
 
     def _set_enum(
         self, name: str, kind: type[IdScheme] | type[NonFinite], problems: list[tuple[str, str]]
@@ -234,25 +234,8 @@ def _fields_from_options(options: Mapping[str, str]) -> dict[str, Any]:
     publisher: dict[str, Any] = {}
     problems: list[tuple[str, str]] = []
     for raw_name, value in options.items():
-        name = raw_name.lower()
         try:
-            if name in _SCALAR_OPTIONS:
-                fields[name] = value
-            elif name in ("key_columns", "header_columns", "columns"):
-                fields[name] = _names(value)
-            elif name == "headers":
-                fields[name] = _json_object(value)
-            elif name == "allow_null_keys":
-                fields[name] = _boolean(value)
-            elif name == "max_task_attempts":
-                fields[name] = int(value)
-            elif name.startswith("connection."):
-                _set_dotted(connection, name.removeprefix("connection."), value)
-            elif name.startswith("publisher."):
-                _set_dotted(publisher, name.removeprefix("publisher."), value)
-            elif name in _DATA_SOURCE_OPTIONS:
-                continue
-            else:
+            if not _take_option(raw_name.lower(), value, fields, connection, publisher):
                 problems.append((raw_name, "unknown option (see docs/spark.md, Options)"))
         except ValueError as exc:
             problems.append((raw_name, str(exc)))
@@ -269,6 +252,37 @@ def _fields_from_options(options: Mapping[str, str]) -> dict[str, Any]:
     if "url" not in fields:
         raise InvalidSettings("rabbitmq options", [("url", "required")])
     return fields
+
+
+def _take_option(
+    name: str,
+    value: str,
+    fields: dict[str, Any],
+    connection: dict[str, Any],
+    publisher: dict[str, Any],
+) -> bool:
+    """Put option ``name`` (lower case) where it belongs; False if it is unknown.
+
+    Raises:
+        ValueError: the value does not parse.
+    """
+    if name in _SCALAR_OPTIONS:
+        fields[name] = value
+    elif name in ("key_columns", "header_columns", "columns"):
+        fields[name] = _names(value)
+    elif name == "headers":
+        fields[name] = _json_object(value)
+    elif name == "allow_null_keys":
+        fields[name] = _boolean(value)
+    elif name == "max_task_attempts":
+        fields[name] = int(value)
+    elif name.startswith("connection."):
+        _set_dotted(connection, name.removeprefix("connection."), value)
+    elif name.startswith("publisher."):
+        _set_dotted(publisher, name.removeprefix("publisher."), value)
+    else:
+        return name in _DATA_SOURCE_OPTIONS
+    return True
 
 
 _DATA_SOURCE_OPTIONS = frozenset({"check_destination", "path", "checkpointlocation"})

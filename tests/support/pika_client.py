@@ -106,7 +106,7 @@ def seconds_of(value: Any) -> Any:
     return value
 
 
-def same(sent: Any, got: Any) -> bool:
+def same(sent: Any, got: Any) -> bool:  # noqa: PLR0911 (one return per AMQP value kind)
     """Equal values of the same AMQP kind: a bool is not an int, a str is not bytes;
     bytes and bytearray alike; datetimes compared as instants (naive means UTC)."""
     if isinstance(sent, bool) or isinstance(got, bool):
