@@ -514,13 +514,14 @@ class TestBoundaries:
     def test_short_strings_up_to_255_bytes(self, field: str) -> None:
         """255 bytes of UTF-8 is a short string (sent whole); 256 is refused, by name."""
         value = "é" * 127 + "x"  # 255 bytes, 128 characters
-        header = encode_properties(0, **{field: value})
+        props: dict[str, Any] = {field: value}
+        header = encode_properties(0, **props)
         frame = struct.pack(">BHI", 2, 1, len(header)) + header + b"\xce"
         _, _, decoded = decode_frame(frame[:7], frame[7:])
         assert getattr(decoded.properties, field) == value
         assert encode_publish("x" * 255, value, False)[-257:] == b"\xff" + value.encode() + b"\x00"
         with pytest.raises(InvalidMessage, match=f"{field} is 256 bytes"):
-            encode_properties(0, **{field: value + "y"})
+            encode_properties(0, **{**props, field: value + "y"})
 
     def test_header_names_up_to_128_bytes(self) -> None:
         """A header name of 128 bytes is sent whole; 129 is refused (pamqp would cut it)."""
