@@ -396,6 +396,18 @@ class TestConfirmTracker:
         assert tracker.settle(1, multiple=False) == ["a"]
         assert tracker.settle(1, multiple=True) == []
 
+    @pytest.mark.unit
+    def test_oldest_skips_a_hole_left_at_the_front(self) -> None:
+        """A multiple ack can stop just before a tag a single ack settled: that hole is
+        now the front, and the oldest outstanding publish is the one after it."""
+        tracker: ConfirmTracker[str] = ConfirmTracker()
+        for x in "abc":
+            tracker.add(x)
+        assert tracker.settle(2, multiple=False) == ["b"]
+        assert tracker.settle(1, multiple=True) == ["a"]
+        assert tracker.oldest() == "c"
+        assert tracker.outstanding() == ["c"] and len(tracker) == 1
+
     def test_drain_hands_back_the_rest_in_order(self) -> None:
         """A lost channel returns every outstanding publish, in tag order."""
         tracker: ConfirmTracker[str] = ConfirmTracker()
