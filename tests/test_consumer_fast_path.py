@@ -489,6 +489,10 @@ class TestHeaderEdges:
                 id="array-one-byte-short",
             ),
             pytest.param(
+                lambda: _array_resized({_MARK: [1, "\x01zb\x05"]}, -4),
+                id="array-ends-inside-a-value",  # what follows reads as a header "z": 5
+            ),
+            pytest.param(
                 lambda: _array_resized({_MARK: [1, 2], "z": 1}, -2),
                 id="array-ends-between-items",
             ),
