@@ -256,6 +256,10 @@ MUTANTS: tuple[Mutant, ...] = (
         'raise ValueError("field table past the end of the frame")',
         "pass",
         "an undecodable header whose table runs past the frame end decoded anyway",
+        equivalent=(
+            "redundant: the table's loop cannot reach an end past the frame without reading "
+            "there, and every field read past the frame raises (IndexError, struct.error)"
+        ),
     ),
     Mutant(
         "inbound-escaped-string-past-end",
@@ -285,6 +289,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "if header is None or undecodable is None:",
         "if header is None:",
         "a header the strict reader refused but nothing undecodable in it: escaped anyway",
+        equivalent=(
+            "the escaping reader refuses all the damage the strict one does (the same checks; "
+            "a name past its table is an overrun there), so where the strict reader raised "
+            "it either raises too or has noted a string or timestamp"
+        ),
     ),
     Mutant(
         "inbound-redelivered-bit",
