@@ -22,6 +22,7 @@ Usage (from the repository root, with the project's virtualenv)::
     python scripts/mutate.py --only wire-int16-bound inbound-second-flag-word
     python scripts/mutate.py --list             # names and descriptions, nothing run
     python scripts/mutate.py --check            # only check every snippet applies once
+    python scripts/mutate.py -v                 # name the test that killed each mutant
 
 Prints one row per mutant and the score: killed / (mutants - equivalent).
 Exit code 0 when every mutant is killed or listed as equivalent (with the
@@ -614,8 +615,8 @@ def _copy(repo: Path, into: Path) -> Path:
     return into
 
 
-def run_tests(root: Path, targets: Sequence[str], timeout: float) -> tuple[str, float]:
-    """``("passed" | "failed" | "timeout" | "error: ...", seconds)`` for ``targets``."""
+def run_tests(root: Path, targets: Sequence[str], timeout: float) -> tuple[str, float, str]:
+    """``("passed" | "failed" | "timeout" | "error: ...", seconds, the first failed test)``."""
     env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("CI", None)  # CI=true turns a skipped broker test into a failure
     command = [
@@ -638,14 +639,15 @@ def run_tests(root: Path, targets: Sequence[str], timeout: float) -> tuple[str, 
             command, check=False, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
-        return "timeout", time.monotonic() - start
+        return "timeout", time.monotonic() - start, ""
     took = time.monotonic() - start
     if done.returncode == 0:
-        return "passed", took
+        return "passed", took, ""
     if done.returncode == 1:
-        return "failed", took
+        failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED ")]
+        return "failed", took, failed[0].removeprefix("FAILED ") if failed else ""
     tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-    return f"error {done.returncode}: {' | '.join(tail)}", took
+    return f"error {done.returncode}: {' | '.join(tail)}", took, ""
 
 
 def present(repo: Path, targets: Sequence[str]) -> list[str]:
@@ -660,12 +662,12 @@ def present(repo: Path, targets: Sequence[str]) -> list[str]:
     return found
 
 
-def _one(repo: Path, mutant: Mutant, timeout: float) -> tuple[Mutant, str, float]:
+def _one(repo: Path, mutant: Mutant, timeout: float) -> tuple[Mutant, str, float, str]:
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as scratch:
         root = _copy(repo, Path(scratch))
         _apply(root, mutant)
-        result, took = run_tests(root, present(repo, TESTS[mutant.path]), timeout)
-    return mutant, result, took
+        result, took, by = run_tests(root, present(repo, TESTS[mutant.path]), timeout)
+    return mutant, result, took, by
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -680,6 +682,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
+    parser.add_argument("-v", "--verbose", action="store_true", help="name the killing test")
     parser.add_argument("--check", action="store_true", help="only check the snippets")
     args = parser.parse_args(argv)
 
@@ -714,7 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for missing in sorted(set(wanted) - set(targets)):
         print(f"not in this checkout, not run: {missing}")
     with tempfile.TemporaryDirectory(prefix="mutant-baseline-") as scratch:
-        baseline, took = run_tests(_copy(repo, Path(scratch)), targets, args.timeout * 3)
+        baseline, took, _ = run_tests(_copy(repo, Path(scratch)), targets, args.timeout * 3)
     if baseline != "passed":
         print(f"the unmutated tests do not pass ({baseline}): nothing to measure", file=sys.stderr)
         return 2
@@ -722,12 +725,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows: list[tuple[Mutant, str, float]] = []
     with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-        for mutant, result, took in pool.map(lambda m: _one(repo, m, args.timeout), mutants):
+        for mutant, result, took, by in pool.map(lambda m: _one(repo, m, args.timeout), mutants):
             verdict = {"failed": "killed", "timeout": "killed (timeout)", "passed": "SURVIVED"}
             shown = verdict.get(result, result)
             if result == "passed" and mutant.equivalent:
                 shown = "survived (equivalent)"
             print(f"{mutant.name:34} {shown:22} {took:5.1f}s  {mutant.description}", flush=True)
+            if by and args.verbose:
+                print(f"{'':34} by {by}", flush=True)
             rows.append((mutant, result, took))
 
     killed = [m for m, r, _ in rows if r in ("failed", "timeout")]
