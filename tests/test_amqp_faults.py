@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiormq
 import pytest
+from pamqp.exceptions import UnmarshalingException
 
 from reliable_mq._amqp.faults import (
     Fault,
@@ -11,6 +14,7 @@ from reliable_mq._amqp.faults import (
     classify,
     classify_close,
     consumer_timeout_of,
+    reader_error,
 )
 
 E = aiormq.exceptions
@@ -173,3 +177,79 @@ class TestClassifyClose:
         fault = classify_close(406, CONSUMER_TIMEOUT_TEXT, connection_level=False)
         assert fault.kind is FaultKind.CONSUMER_TIMEOUT
         assert consumer_timeout_of(fault) == 4.0
+
+
+@pytest.mark.unit
+class TestCodeBoundaries:
+    """A reply code at the edge between a lost channel (below 400) and a refusal (400 up)."""
+
+    @pytest.mark.parametrize(
+        ("code", "kind"),
+        [
+            (399, FaultKind.CHANNEL_LOST),
+            (400, FaultKind.REFUSED),
+            (403, FaultKind.REFUSED),
+            (406, FaultKind.REFUSED),
+            (499, FaultKind.REFUSED),
+            (500, FaultKind.REFUSED),
+            (541, FaultKind.REFUSED),
+        ],
+    )
+    def test_a_plain_channel_closed(self, code: int, kind: FaultKind) -> None:
+        """aiormq's plain ``ChannelClosed(code, text)`` (no subclass for the code):
+        every 4xx and 5xx code is a refusal, a lower one a lost channel."""
+        fault = classify(E.ChannelClosed(code, "TEXT - x"))
+        assert fault is not None
+        assert (fault.kind, fault.reply_code, fault.connection_level) == (kind, code, False)
+
+    @pytest.mark.parametrize(
+        ("code", "kind"),
+        [(399, FaultKind.CHANNEL_LOST), (400, FaultKind.REFUSED), (505, FaultKind.REFUSED)],
+    )
+    def test_a_close_frame(self, code: int, kind: FaultKind) -> None:
+        """A ``channel.close`` frame's code, at the same edge."""
+        assert classify_close(code, "x", connection_level=False).kind is kind
+
+
+@pytest.mark.unit
+class TestReaderError:
+    """`reader_error`: what our frame reader raises, as aiormq's own reader would."""
+
+    @pytest.mark.parametrize(
+        ("exc", "text"),
+        [
+            (
+                asyncio.IncompleteReadError(b"abc", 7),
+                "Server connection unexpectedly closed. Read 3 bytes but 7 bytes expected",
+            ),
+            (
+                ConnectionRefusedError(111, "refused"),
+                "Server connection refused: ConnectionRefusedError(111, 'refused')",
+            ),
+            (
+                ConnectionResetError(104, "reset"),
+                "Server connection reset: ConnectionResetError(104, 'reset')",
+            ),
+            (BrokenPipeError(32, "pipe"), "Server connection error: BrokenPipeError(32, 'pipe')"),
+            (OSError(113, "no route"), "Server communication error: OSError(113, 'no route')"),
+        ],
+    )
+    def test_a_failed_read_ends_the_connection(self, exc: BaseException, text: str) -> None:
+        """A read that failed is aiormq's ``AMQPConnectionError``, with aiormq's text
+        (a lost connection: `classify` says reconnect)."""
+        mapped = reader_error(exc)
+        assert type(mapped) is E.AMQPConnectionError
+        assert str(mapped.args[0]) == text
+        fault = classify(mapped)
+        assert fault is not None and fault.kind is FaultKind.CONNECTION_LOST
+
+    def test_a_frame_pamqp_cannot_decode(self) -> None:
+        """pamqp's error is aiormq's ``InvalidFrameError``, with pamqp's text."""
+        mapped = reader_error(UnmarshalingException("Basic.Deliver", "bad data"))
+        assert type(mapped) is E.InvalidFrameError
+        assert str(mapped) == str(UnmarshalingException("Basic.Deliver", "bad data"))
+
+    @pytest.mark.parametrize("exc", [ValueError("bug"), KeyError("x"), StopAsyncIteration()])
+    def test_anything_else_is_raised_as_is(self, exc: BaseException) -> None:
+        """Not a read or decode error (a bug, the end of the stream): None, raise it."""
+        assert reader_error(exc) is None

@@ -413,6 +413,107 @@ class TestUndecodable:
         assert _outcome(_ours, bytes(data)) == ("error", pamqp.exceptions.UnmarshalingException)
 
 
+def _resized(data: bytearray, at: int, delta: int) -> bytes:
+    """``data`` with the 4-byte length at ``at`` changed by ``delta`` (the frame is not)."""
+    data[at : at + 4] = (int.from_bytes(data[at : at + 4], "big") + delta).to_bytes(4, "big")
+    return bytes(data)
+
+
+def _undecodable_table(headers: dict[str, Any]) -> bytearray:
+    """A content header of ``headers`` only, its first name made not UTF-8 (`_swapped`)."""
+    return bytearray(_swapped(ContentHeader(0, 3, Basic.Properties(headers=headers))))
+
+
+_TABLE_LENGTH = 21  # the frame's offset of the headers table's length (the first property)
+
+
+def _array_resized(headers: dict[str, Any], delta: int) -> bytes:
+    """`_undecodable_table` of ``headers``, the length of its first array changed by ``delta``."""
+    data = _undecodable_table(headers)
+    return _resized(data, data.index(b"A", _TABLE_LENGTH + 4 + 1 + len(_MARK)) + 1, delta)
+
+
+@pytest.mark.unit
+class TestHeaderEdges:
+    """Content headers at the edges of what our decoder takes itself."""
+
+    @pytest.mark.parametrize(
+        "props",
+        [
+            Basic.Properties(content_type="ab", content_encoding="cd"),
+            Basic.Properties(message_id="m1", headers={"k": [1, "v"]}, priority=3),
+            Basic.Properties(
+                content_type="text/plain",
+                delivery_mode=2,
+                timestamp=datetime.datetime(2026, 1, 2, tzinfo=datetime.UTC),
+                app_id="a",
+            ),
+        ],
+        ids=["strings", "table", "mixed"],
+    )
+    def test_two_flag_words_with_properties(self, props: Basic.Properties) -> None:
+        """Properties in the first flag word, the continuation bit set and an empty second
+        word after it: pamqp decodes it; ours must not read the properties from the
+        second flag word's offset (an empty content type, the rest shifted)."""
+        raw = bytearray(pamqp.frame.marshal(ContentHeader(0, 5, props), 3))
+        flags = int.from_bytes(raw[19:21], "big")
+        assert flags
+        raw[19:21] = (flags | 1).to_bytes(2, "big")
+        raw[21:21] = b"\x00\x00"
+        raw[3:7] = (int.from_bytes(raw[3:7], "big") + 2).to_bytes(4, "big")
+        assert content_header(bytes(raw[7:-1])) is None  # not ours: pamqp's
+        assert_same(bytes(raw))
+        frame = _ours(bytes(raw))[2]
+        assert _attributes(frame)[5] == _attributes(ContentHeader(0, 5, props))[5]
+
+    @pytest.mark.parametrize(
+        "damaged",
+        [
+            pytest.param(
+                lambda: _resized(_undecodable_table({_MARK: "\x00" * 4}), _TABLE_LENGTH, -4),
+                id="table-ends-inside-a-value",
+            ),
+            pytest.param(
+                lambda: _resized(_undecodable_table({_MARK: "\x00" * 4}), _TABLE_LENGTH, -1),
+                id="table-one-byte-short",
+            ),
+            pytest.param(
+                lambda: _resized(_undecodable_table({_MARK: "v"}), _TABLE_LENGTH, 1),
+                id="table-past-the-frame",
+            ),
+            pytest.param(
+                lambda: _resized(_undecodable_table({_MARK: "v"}), _TABLE_LENGTH, 2**31),
+                id="table-far-past-the-frame",
+            ),
+            pytest.param(
+                lambda: _array_resized({_MARK: [1, 2]}, -1),
+                id="array-one-byte-short",
+            ),
+            pytest.param(
+                lambda: _array_resized({_MARK: [1, "\x01zb\x05"]}, -4),
+                id="array-ends-inside-a-value",  # what follows reads as a header "z": 5
+            ),
+            pytest.param(
+                lambda: _array_resized({_MARK: [1, 2], "z": 1}, -2),
+                id="array-ends-between-items",
+            ),
+            pytest.param(
+                lambda: _array_resized({_MARK: [1, 2]}, 1),
+                id="array-past-its-table",
+            ),
+        ],
+    )
+    def test_a_damaged_undecodable_header_is_still_pamqps_error(self, damaged: Any) -> None:
+        """A header name not UTF-8 *and* a table or array whose length is wrong: damaged,
+        not undecodable. Ours raises pamqp's error (the channel closes, the broker
+        requeues); it never makes a delivery of what it read past the damage (it would be
+        dead-lettered with garbage for properties)."""
+        data = damaged()
+        assert _decode_escaped(data[0], data[7:]) is None
+        assert _outcome(_ours, data) == _outcome(pamqp.frame.unmarshal, data)
+        assert _outcome(_ours, data)[0] == "error"
+
+
 class TestIntake:
     async def test_a_delivery_it_cannot_record_closes_the_channel(
         self, caplog: pytest.LogCaptureFixture

@@ -157,3 +157,16 @@ class TestLostAcksTable:
 
     def test_unknown_id(self) -> None:
         assert not LostAcks().take("m", 1, 0.0, counts_returns=False)
+
+    @pytest.mark.unit
+    def test_recorded_again_is_newest(self) -> None:
+        """An id recorded again (a later attempt done) moves to the newest end: it is
+        forgotten last when capacity runs out, with its new attempt and ttl."""
+        lost = LostAcks(capacity=2, ttl=10.0)
+        lost.add("a", 1, now=0.0)
+        lost.add("b", 1, now=1.0)
+        lost.add("a", 2, now=2.0)
+        lost.add("c", 1, now=3.0)  # over capacity: "b" is now the oldest
+        assert not lost.take("b", 1, 4.0, counts_returns=False)
+        assert lost.take("a", 2, 11.0, counts_returns=False)  # ttl from its second record
+        assert lost.take("c", 1, 4.0, counts_returns=False)

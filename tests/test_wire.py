@@ -9,6 +9,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
+import pamqp.decode
 import pamqp.frame
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -395,6 +396,18 @@ class TestConfirmTracker:
         assert tracker.settle(1, multiple=False) == ["a"]
         assert tracker.settle(1, multiple=True) == []
 
+    @pytest.mark.unit
+    def test_oldest_skips_a_hole_left_at_the_front(self) -> None:
+        """A multiple ack can stop just before a tag a single ack settled: that hole is
+        now the front, and the oldest outstanding publish is the one after it."""
+        tracker: ConfirmTracker[str] = ConfirmTracker()
+        for x in "abc":
+            tracker.add(x)
+        assert tracker.settle(2, multiple=False) == ["b"]
+        assert tracker.settle(1, multiple=True) == ["a"]
+        assert tracker.oldest() == "c"
+        assert tracker.outstanding() == ["c"] and len(tracker) == 1
+
     def test_drain_hands_back_the_rest_in_order(self) -> None:
         """A lost channel returns every outstanding publish, in tag order."""
         tracker: ConfirmTracker[str] = ConfirmTracker()
@@ -474,3 +487,113 @@ class TestConfirmTrackerModel:
         assert tracker.settle(2, multiple=True) == []
         assert tracker.settle(1, multiple=True) == []
         assert tracker.outstanding() == ["c", "d"]
+
+
+def _body_frames(data: bytes) -> list[bytes]:
+    """The raw body frames (type 3) of ``data``, headers and end octets included."""
+    return [frame for frame in frames_of(data) if frame[0] == 3]
+
+
+@pytest.mark.unit
+class TestBoundaries:
+    """Each limit of the codec exactly at its edge, where an off-by-one would show."""
+
+    @pytest.mark.parametrize("frame_max", [4096, 131072])
+    @pytest.mark.parametrize(
+        ("chunks", "extra"), [(0, 0), (0, 1), (1, -1), (1, 0), (1, 1), (2, 0), (3, 1), (2, 7)]
+    )
+    def test_a_body_split_across_frames(self, frame_max: int, chunks: int, extra: int) -> None:
+        """A body of ``chunks`` full frames plus ``extra`` bytes: every byte arrives, in
+        order; no frame is longer than ``frame_max`` (header and end octet included),
+        every frame but the last is full, and an empty body sends no body frame."""
+        chunk = frame_max - 8
+        size = chunks * chunk + extra
+        body = bytes(i % 251 for i in range(size))
+        encoded = Encoded(encode_publish("", "k", False), encode_properties(size), body)
+        data = publish_frames(5, encoded, frame_max)
+        frames = _body_frames(data)
+        assert len(frames) == -(-size // chunk)  # ceiling: no empty frame, none missing
+        assert all(len(frame) <= frame_max for frame in frames)
+        assert all(len(frame) == frame_max for frame in frames[:-1])
+        assert b"".join(frame[7:-1] for frame in frames) == body
+        decoded = _decode(data)[2:]
+        assert b"".join(b.value for b in decoded) == body
+
+    @pytest.mark.parametrize(
+        "field",
+        ["content_type", "correlation_id", "reply_to", "message_id", "message_type", "app_id"],
+    )
+    def test_short_strings_up_to_255_bytes(self, field: str) -> None:
+        """255 bytes of UTF-8 is a short string (sent whole); 256 is refused, by name."""
+        value = "é" * 127 + "x"  # 255 bytes, 128 characters
+        props: dict[str, Any] = {field: value}
+        header = encode_properties(0, **props)
+        frame = struct.pack(">BHI", 2, 1, len(header)) + header + b"\xce"
+        _, _, decoded = decode_frame(frame[:7], frame[7:])
+        assert getattr(decoded.properties, field) == value
+        assert encode_publish("x" * 255, value, False)[-257:] == b"\xff" + value.encode() + b"\x00"
+        with pytest.raises(InvalidMessage, match=f"{field} is 256 bytes"):
+            encode_properties(0, **{**props, field: value + "y"})
+
+    def test_header_names_up_to_128_bytes(self) -> None:
+        """A header name of 128 bytes is sent whole; 129 is refused (pamqp would cut it)."""
+        name = "é" * 63 + "xx"  # 128 bytes
+        assert encode_headers({name: 1}) == struct.pack(">I", 1 + 128 + 2) + (
+            b"\x80" + name.encode() + b"b\x01"
+        )
+        with pytest.raises(InvalidMessage, match="129 bytes of UTF-8; the limit is 128"):
+            encode_headers({name + "y": 1})
+
+    @pytest.mark.parametrize(
+        ("value", "encoded"),
+        [
+            (True, b"t\x01"),
+            (False, b"t\x00"),
+            (0, b"b\x00"),
+            (1, b"b\x01"),
+            (127, b"b\x7f"),
+            (128, b"s\x00\x80"),
+            (-128, b"b\x80"),
+            (-129, b"s\xff\x7f"),
+            (32767, b"s\x7f\xff"),
+            (32768, b"I\x00\x00\x80\x00"),
+            (-32768, b"s\x80\x00"),
+            (-32769, b"I\xff\xff\x7f\xff"),
+            (2**31 - 1, b"I\x7f\xff\xff\xff"),
+            (2**31, b"l" + struct.pack(">q", 2**31)),
+            (-(2**31), b"I\x80\x00\x00\x00"),
+            (-(2**31) - 1, b"l" + struct.pack(">q", -(2**31) - 1)),
+            (2**63 - 1, b"l" + struct.pack(">q", 2**63 - 1)),
+            (-(2**63), b"l" + struct.pack(">q", -(2**63))),
+            (1.5, b"d" + struct.pack(">d", 1.5)),
+        ],
+    )
+    def test_header_values_by_type(self, value: Any, encoded: bytes) -> None:
+        """Each value as its exact field type and bytes: a bool is ``t`` (never an int,
+        though ``True == 1``), an int the narrowest signed type that holds it, a float a
+        double; pamqp decodes it back to the same value and type."""
+        table = encode_headers({"v": value})
+        assert table == struct.pack(">I", 2 + len(encoded)) + b"\x01v" + encoded
+        _, decoded = pamqp.decode.field_table(table)
+        assert decoded == {"v": value}
+        assert type(decoded["v"]) is type(value)
+
+    @pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 2**64])
+    def test_integers_beyond_64_bits_are_refused(self, value: int) -> None:
+        """An int no signed 64-bit field holds is InvalidMessage, never struct.error."""
+        with pytest.raises(InvalidMessage, match="does not fit in a signed 64-bit integer"):
+            encode_headers({"big": value})
+
+    def test_nesting_up_to_32_levels(self) -> None:
+        """Tables nested 32 levels below the headers are sent; 33 are refused."""
+
+        def nested(levels: int) -> dict[str, Any]:
+            table: dict[str, Any] = {"x": 1}
+            for _ in range(levels):
+                table = {"x": table}
+            return table
+
+        _, decoded = pamqp.decode.field_table(encode_headers(nested(32)))
+        assert decoded == nested(32)
+        with pytest.raises(InvalidMessage, match="deeper than 32"):
+            encode_headers(nested(33))
