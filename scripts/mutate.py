@@ -62,20 +62,20 @@ ACKS = "reliable_mq/_consume/acks.py"
 SETTLE = "reliable_mq/_consume/settle.py"
 
 TESTS: dict[str, tuple[str, ...]] = {
-    WIRE: ("tests/test_wire.py",),
+    WIRE: ("tests/amqp/test_wire.py",),
     INBOUND: (
-        "tests/test_consumer_fast_path.py::TestDecodeFrame",
-        "tests/test_consumer_fast_path.py::TestUndecodable",
-        "tests/test_consumer_fast_path.py::TestHeaderEdges",
+        "tests/consume/test_consumer_fast_path.py::TestDecodeFrame",
+        "tests/consume/test_consumer_fast_path.py::TestUndecodable",
+        "tests/consume/test_consumer_fast_path.py::TestHeaderEdges",
     ),
-    WINDOW: ("tests/test_window.py",),
-    FAULTS: ("tests/test_amqp_faults.py",),
+    WINDOW: ("tests/publish/test_window.py",),
+    FAULTS: ("tests/amqp/test_amqp_faults.py",),
     CONFIRMS: (
-        "tests/test_wire.py::TestConfirmTracker",
-        "tests/test_wire.py::TestConfirmTrackerModel",
+        "tests/amqp/test_wire.py::TestConfirmTracker",
+        "tests/amqp/test_wire.py::TestConfirmTrackerModel",
     ),
-    ACKS: ("tests/test_acks.py", "tests/test_lost_acks.py"),
-    SETTLE: ("tests/test_settle.py",),
+    ACKS: ("tests/consume/test_acks.py", "tests/consume/test_lost_acks.py"),
+    SETTLE: ("tests/consume/test_settle.py",),
 }
 """The unit tests run for a mutant of each module."""
 
@@ -670,7 +670,7 @@ def _one(repo: Path, mutant: Mutant, timeout: float) -> tuple[Mutant, str, float
     return mutant, result, took, by
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911, PLR0912, PLR0915 - the CLI: options, then one exit code per outcome
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--repo",

@@ -52,8 +52,8 @@ print("test-lowest:", ", ".join(f"{pin.split('==')[0]} {version(pin.split('==')[
 PYTHON
 
 if ! printf '%s\n' "$@" | grep -q '^tests'; then
-    set -- "$@" tests/test_seam.py tests/test_boundaries.py tests/test_wire.py tests/test_amqp_faults.py \
-        tests/test_publisher.py tests/test_publisher_close.py tests/test_consumer_broker.py \
-        tests/test_consumer_fast_path.py tests/test_copies.py tests/test_properties.py
+    set -- "$@" tests/amqp/test_seam.py tests/amqp/test_boundaries.py tests/amqp/test_wire.py tests/amqp/test_amqp_faults.py \
+        tests/publish/test_publisher.py tests/publish/test_publisher_close.py tests/consume/test_consumer_broker.py \
+        tests/consume/test_consumer_fast_path.py tests/consume/test_copies.py tests/amqp/test_properties.py
 fi
 exec "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"

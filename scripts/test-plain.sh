@@ -10,10 +10,10 @@ cd "$(dirname "$0")/.."
 # test_publisher_bounds.py) and the cluster failover (tests/faults/test_cluster.py), whose
 # subject (the window, the supervisor's fail-over) is the same code on both paths.
 if ! printf '%s\n' "$@" | grep -q '^tests'; then
-    set -- "$@" tests/test_publisher.py tests/test_publisher_close.py \
-        tests/test_publisher_hardening.py tests/test_consumer_broker.py \
-        tests/test_consumer_handler_errors.py tests/test_consumer_exits.py tests/test_copies.py \
-        tests/test_properties.py tests/test_seam.py tests/faults/test_broker_faults.py \
+    set -- "$@" tests/publish/test_publisher.py tests/publish/test_publisher_close.py \
+        tests/publish/test_publisher_hardening.py tests/consume/test_consumer_broker.py \
+        tests/consume/test_consumer_handler_errors.py tests/consume/test_consumer_exits.py tests/consume/test_copies.py \
+        tests/amqp/test_properties.py tests/amqp/test_seam.py tests/faults/test_broker_faults.py \
         tests/faults/test_network_faults.py tests/faults/test_consumer_faults.py
 fi
 RELIABLE_MQ_FAST_PATH=off exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

@@ -1,6 +1,6 @@
 """Bounds under load (slow tier): the window, prefetch, memory and tasks stay bounded.
 
-The publisher half on the shared broker is in ``tests/test_publisher_bounds.py``;
+The publisher half on the shared broker is in ``tests/publish/test_publisher_bounds.py``;
 here publisher and consumer run together against the private node. Outcomes
 are kept in bytearrays while memory is measured, so the oracle's own sets do
 not count as growth; they are fed to the oracle afterwards.

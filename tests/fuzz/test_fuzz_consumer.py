@@ -46,7 +46,7 @@ every copy must end where its script says, and nothing may be lost.
 them and prints what they cover.
 
 KeyboardInterrupt and SystemExit end the process: they are tested in
-``tests/test_consumer_handler_errors.py``, in subprocesses.
+``tests/consume/test_consumer_handler_errors.py``, in subprocesses.
 """
 
 from __future__ import annotations

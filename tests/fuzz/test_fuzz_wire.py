@@ -15,7 +15,7 @@ arrays, decimals, timestamps after 2106 and to the year 9999):
   the millisecond, timestamps as whole seconds (floor), header values as
   given. Floats are compared as pika reads them: pika 1.4.4 decodes every
   ``d`` as an int (truncated; its own defect); ours are doubles, checked
-  exactly by `tests.test_wire`.
+  exactly by `tests.amqp.test_wire`.
 
 ``FUZZ_RANDOM=1`` draws new examples (``FUZZ_WIRE_EXAMPLES`` per direction).
 """

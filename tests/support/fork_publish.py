@@ -1,4 +1,4 @@
-"""Run by tests/test_sync_faults.py: a parent publishes, forks, the child publishes.
+"""Run by tests/sync/test_sync_faults.py: a parent publishes, forks, the child publishes.
 
 Prints one JSON line per stage on stdout. The parent waits for a line on stdin
 before it forks, the child for another before it closes, so the test can look

@@ -1,4 +1,4 @@
-"""Targets for tests/test_runner.py, configured by environment variables.
+"""Targets for tests/cli/test_runner.py, configured by environment variables.
 
 ``RUNNER_TEST_QUEUE``: the queue; ``RUNNER_TEST_OUT``: a folder where each
 handled message id is appended to ``<pid>.log`` before the handler returns

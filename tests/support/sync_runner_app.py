@@ -1,4 +1,4 @@
-"""A Router with a plain ``def`` handler, for tests/test_sync_handlers.py (``reliable-mq run``).
+"""A Router with a plain ``def`` handler, for tests/sync/test_sync_handlers.py (``reliable-mq run``).
 
 ``SYNC_RUNNER_QUEUE``: the queue; ``SYNC_RUNNER_OUT``: a file where each handled
 message id and the handler's thread name are appended before the handler returns.
