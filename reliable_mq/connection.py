@@ -240,6 +240,11 @@ class ConnectionSupervisor:
         """Re-read the state (it changes while we await)."""
         return self._state is ConnectionState.CLOSED
 
+    @property
+    def address(self) -> BrokerAddress:
+        """The broker address in use (or tried next, while reconnecting)."""
+        return self._current_address()
+
     def _current_address(self) -> BrokerAddress:
         addresses = self._settings.addresses
         return addresses[self._address_index % len(addresses)]
