@@ -44,6 +44,7 @@ from ._publish.exchanges import ExchangeCache
 from ._publish.outgoing import Outgoing, Preparer
 from ._publish.ports import Stream, StreamEvents
 from ._publish.stream import StreamKeeper
+from ._tracing import Tracing, publish_ended, start_publish
 from .connection import ConnectionSupervisor
 from .errors import (
     ClosedError,
@@ -104,6 +105,9 @@ class ReliablePublisher:
             ``RELIABLE_MQ_PUBLISHER_*`` variables.
         registry: the Prometheus registry for metrics (default: the global one).
         metrics_prefix: the metric name prefix.
+        tracer_provider: an OpenTelemetry ``TracerProvider`` for the ``publish`` spans
+            (default: the global one; none configured, no spans). See
+            [Tracing](../tracing.md).
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class ReliablePublisher:
         settings: PublisherSettings | None = None,
         registry: CollectorRegistry | None = None,
         metrics_prefix: str = "reliable_mq",
+        tracer_provider: Any | None = None,
     ) -> None:
         connection = ConnectionSettings.of(connection)
         self.settings = settings if settings is not None else PublisherSettings()
@@ -120,6 +125,7 @@ class ReliablePublisher:
         self._supervisor = ConnectionSupervisor(connection, role="publisher", metrics=self._metrics)
         self._log = get_logger(__name__).bind(connection=self._supervisor.name)
         self._preparer = Preparer(self.settings, secrets.token_hex(8) + "-")
+        self._tracing = Tracing(tracer_provider)
         self._counts: PublisherMetrics = self._metrics.for_publisher(
             self._supervisor.name, owner=self
         )
@@ -378,10 +384,27 @@ class ReliablePublisher:
         self._check_open()
         deadline_in = self._preparer.deadline_in(timeout)
         self._seq += 1
-        message_id, encoded = self._preparer.encode_copy(
-            self._seq, body, routing_key, properties, headers
-        )
+        span = None
+        tracer = self._tracing.tracer()
+        if tracer is not None:
+            span, headers = start_publish(
+                tracer,
+                "",
+                routing_key,
+                headers,
+                properties.get("correlation_id"),
+                self._supervisor.address.url,
+            )
+        try:
+            message_id, encoded = self._preparer.encode_copy(
+                self._seq, body, routing_key, properties, headers
+            )
+        except BaseException as exc:
+            if span is not None:
+                publish_ended(span, "", 0, exc)
+            raise
         out = self._outgoing(message_id, encoded, "", routing_key, True, deadline_in)
+        out.span = span
         future: asyncio.Future[PublishResult] = asyncio.get_running_loop().create_future()
         out.future = future
         if not self._engine.admit_now(out):
@@ -567,10 +590,42 @@ class ReliablePublisher:
             raise InvalidMessage(f"unknown message option(s): {unknown}")
         deadline_in = self._preparer.deadline_in(timeout)
         self._seq += 1
+        tracer = self._tracing.tracer()
+        if tracer is not None:
+            return self._prepare_traced(tracer, body, routing_key, exchange, deadline_in, options)
         message_id, encoded, mandatory = self._preparer.encode(
             self._seq, body, routing_key, exchange, **options
         )
         return self._outgoing(message_id, encoded, exchange, routing_key, mandatory, deadline_in)
+
+    def _prepare_traced(
+        self,
+        tracer: Any,
+        body: Any,
+        routing_key: str,
+        exchange: str,
+        deadline_in: float,
+        options: MessageOptions,
+    ) -> Outgoing:
+        """`_prepare` with a ``publish`` span: started now, its context in the headers."""
+        span, options["headers"] = start_publish(
+            tracer,
+            exchange,
+            routing_key,
+            options.get("headers"),
+            options.get("correlation_id"),
+            self._supervisor.address.url,
+        )
+        try:
+            message_id, encoded, mandatory = self._preparer.encode(
+                self._seq, body, routing_key, exchange, **options
+            )
+        except BaseException as exc:
+            publish_ended(span, "", 0, exc)
+            raise
+        out = self._outgoing(message_id, encoded, exchange, routing_key, mandatory, deadline_in)
+        out.span = span
+        return out
 
     def _prepare_message(self, message: Any, timeout: float | None) -> Outgoing:
         if not isinstance(message, Message):

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._amqp.faults import Fault, FaultKind
+from .._tracing import publish_ended, republished
 from ..errors import (
     ClosedError,
     PublishAborted,
@@ -233,8 +234,8 @@ class Engine:
         try:  # no nested coroutine: this is the path of every caller past the window
             await wait_for_admission(self, out)
             self._admitted(out)  # before unhold(): the engine must not look idle between
-        except PublishError as exc:
-            out.metrics.failure(type(exc).__name__)
+        except BaseException as exc:
+            _not_admitted(out, exc)
             raise
         finally:
             self.unhold()
@@ -243,8 +244,8 @@ class Engine:
         """`admit` for a caller already counted by `hold` (it calls `unhold` after)."""
         try:
             await wait_for_admission(self, out)
-        except PublishError as exc:
-            out.metrics.failure(type(exc).__name__)
+        except BaseException as exc:
+            _not_admitted(out, exc)
             raise
         self._admitted(out)
 
@@ -277,6 +278,8 @@ class Engine:
             out.metrics.republish(out.retry_reason)
             if out.batch is not None:
                 out.batch.republished += 1
+            if out.span is not None:
+                republished(out.span, out.retry_reason, out.attempts)
         out.returned = None
         out.generation = generation.number
         out.sent_at = asyncio.get_running_loop().time()
@@ -532,6 +535,8 @@ class Engine:
 
     def _succeed(self, out: Outgoing, now: float) -> None:
         out.finished = True
+        if out.span is not None:
+            publish_ended(out.span, out.message_id, out.attempts, None)
         batch = out.batch
         if batch is not None:
             batch.succeeded()
@@ -554,6 +559,8 @@ class Engine:
             return
         out.finished = True
         out.metrics.failure(type(error).__name__)
+        if out.span is not None:
+            publish_ended(out.span, out.message_id, out.attempts, error)
         self._log.debug(
             "publish_failed",
             message_id=out.message_id,
@@ -664,6 +671,15 @@ class Engine:
             out.tag = 0
             self._ledger.release(out)
         return count
+
+
+def _not_admitted(out: Outgoing, exc: BaseException) -> None:
+    """``out`` was never admitted: its caller gets ``exc`` (the engine has no outcome to give)."""
+    if isinstance(exc, PublishError):
+        out.metrics.failure(type(exc).__name__)
+    if out.span is not None:
+        publish_ended(out.span, out.message_id, out.attempts, exc)
+        out.span = None
 
 
 def _seq(out: Outgoing) -> int:

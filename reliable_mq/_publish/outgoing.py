@@ -67,6 +67,7 @@ class Outgoing:
         "routing_key",
         "sent_at",
         "seq",
+        "span",
         "started",
         "tag",
     )
@@ -112,6 +113,8 @@ class Outgoing:
         """Called once with ``(result, None)`` or ``(None, error)`` (the blocking publisher's sink)."""
         self.index = 0
         self.followers: list[asyncio.Future[None]] | None = None
+        self.span: Any = None
+        """Its OpenTelemetry span, ended with the outcome (None: tracing is off)."""
 
     def __repr__(self) -> str:
         return f"<Outgoing {self.message_id} seq={self.seq} attempts={self.attempts}>"
