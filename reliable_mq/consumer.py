@@ -60,6 +60,7 @@ from ._consume.dispatch import Dispatcher
 from ._consume.route import ChannelKeeper, Route
 from ._consume.session import Shared
 from ._consume.threads import HandlerThreads, pool_size
+from ._tracing import Tracing
 from .connection import ConnectionSupervisor
 from .dedup.base import DedupStore
 from .dedup.memory import MemoryDedupStore
@@ -156,6 +157,9 @@ class ReliableConsumer(Router):
             one of the consumer's channels is lost while it consumes: the
             deliveries unsettled on it go back to the queue, and the consumer
             opens a new channel. Not called when the consumer stops.
+        tracer_provider: an OpenTelemetry ``TracerProvider`` for the ``process`` spans
+            and the copies' ``publish`` spans (default: the global one; none
+            configured, no spans). See [Tracing](../tracing.md).
 
     Raises:
         InvalidSettings: an override is invalid.
@@ -171,6 +175,7 @@ class ReliableConsumer(Router):
         metrics_prefix: str = "reliable_mq",
         dedup: DedupStore | Literal["memory"] | None = "memory",
         on_channel_lost: Callable[[str], None] | None = None,
+        tracer_provider: Any | None = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
@@ -179,7 +184,8 @@ class ReliableConsumer(Router):
             base = settings.model_dump() if settings is not None else {}
             settings = ConsumerSettings(**{**base, **overrides})
         self.settings = settings if settings is not None else ConsumerSettings()
-        self._shared = Shared(self.settings)
+        self._tracer_provider = tracer_provider
+        self._shared = Shared(self.settings, Tracing(tracer_provider))
         self._dispatcher = Dispatcher(self._shared)
         self._connection_settings = connection
         self._publisher_settings = publisher_settings
@@ -187,6 +193,7 @@ class ReliableConsumer(Router):
         self._metrics_prefix = metrics_prefix
         self._metrics = Metrics.on(registry, metrics_prefix)
         self._supervisor = ConnectionSupervisor(connection, role="consumer", metrics=self._metrics)
+        self._shared.address = lambda: self._supervisor.address
         self._keeper = ChannelKeeper(
             self._supervisor, connection, self._shared, self._dispatcher.intake
         )
@@ -363,6 +370,7 @@ class ReliableConsumer(Router):
                     settings=self._publisher_settings,
                     registry=self._registry,
                     metrics_prefix=self._metrics_prefix,
+                    tracer_provider=self._tracer_provider,
                 )
                 await self._shared.publisher.start()
             await self._supervisor.start()

@@ -52,6 +52,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .._amqp import Basic, OnDelivery, Undecodable
+from .._tracing import start_process, use_span
 from ..dedup.base import AlreadyProcessed, ClaimResult
 from ..delivery import Delivery, Settle
 from ..handlers import Reject, Retry
@@ -103,7 +104,7 @@ class Dispatcher:
         the channel is closed, so the broker requeues what it delivered on it.
         """
         loop = asyncio.get_running_loop()
-        deliver = self._deliver
+        deliver, traced, tracing = self._deliver, self._traced, self.shared.tracing
         metrics = route.metrics
         # A queue consumed alone gets every delivery as it came, strings that did
         # not decode kept escaped: its handler settles it, nothing is dead-lettered.
@@ -127,11 +128,14 @@ class Dispatcher:
                 metrics.delivered += 1
                 if delivery.redelivered:
                     metrics.redelivered += 1
-                if undecodable is None or as_it_came:
-                    ticket.task = loop.create_task(deliver(route, ticket, acks_first))
-                else:
+                cause = None
+                if undecodable is not None and not as_it_came:
                     cause = Cause(Outcome.UNDECODABLE, undecodable.error, undecodable.describe())
+                tracer = tracing.tracer()
+                if tracer is None:
                     ticket.task = loop.create_task(deliver(route, ticket, acks_first, cause))
+                else:
+                    ticket.task = loop.create_task(traced(tracer, route, ticket, acks_first, cause))
             except Exception as exc:
                 self.log.error(
                     "consumer_intake_failed", queue=route.queue, error=repr(exc), exc_info=exc
@@ -184,6 +188,34 @@ class Dispatcher:
         finally:
             session.forget(ticket)
             shared.leave()
+
+    async def _traced(
+        self,
+        tracer: Any,
+        route: Route,
+        ticket: Ticket,
+        acks_first: bool,
+        undecodable: Cause | None,
+    ) -> None:
+        """`_deliver` inside a ``process`` span, current while it runs (the handler's
+        spans and the copies' ``publish`` spans are its children); `Session.apply`
+        records the settle on it (`Ticket.span`)."""
+        delivery = ticket.delivery
+        address = self.shared.address
+        ticket.span = start_process(
+            tracer,
+            queue=route.queue,
+            exchange=delivery.exchange,
+            routing_key=delivery.routing_key,
+            headers=delivery.headers,
+            message_id=delivery.message_id,
+            correlation_id=delivery.correlation_id,
+            delivery_tag=ticket.tag,
+            attempt=delivery.attempt,
+            url=None if address is None else address().url,
+        )
+        with use_span(ticket.span):
+            await self._deliver(route, ticket, acks_first, undecodable)
 
     def _interrupted(self, session: Session, exc: asyncio.CancelledError) -> Cause:
         if session.dead():

@@ -17,9 +17,10 @@ from typing import Any
 
 from .._amqp import AMQP_ERRORS
 from .._amqp import ConsumeChannel as Channel
+from .._tracing import Tracing
 from ..metrics import QueueMetrics
 from ..publisher import ReliablePublisher
-from ..settings import ConsumerSettings
+from ..settings import BrokerAddress, ConsumerSettings
 from .acks import AckTracker
 
 __all__ = ("FrameKind", "Frames", "Shared", "broker_cut")
@@ -61,6 +62,7 @@ class Shared:
 
     __slots__ = (
         "active",
+        "address",
         "broker_cut",
         "consumer_timeout",
         "exit_error",
@@ -71,10 +73,15 @@ class Shared:
         "publisher",
         "settings",
         "stopping",
+        "tracing",
     )
 
-    def __init__(self, settings: ConsumerSettings) -> None:
+    def __init__(self, settings: ConsumerSettings, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing if tracing is not None else Tracing()
+        """The ``process`` spans' tracer (see `reliable_mq._tracing`)."""
+        self.address: Callable[[], BrokerAddress] | None = None
+        """The broker address in use (the spans' ``server.*``), set by the consumer."""
         self.publisher: ReliablePublisher | None = None
         self.active = self.max_active = 0
         self.stopping = False

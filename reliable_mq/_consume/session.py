@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from .._amqp import ConsumeChannel as Channel
 from .._amqp.faults import Fault, FaultKind, classify, consumer_timeout_of
+from .._tracing import settled
 from ..delivery import Delivery, Settle
 from ..errors import ClosedError
 from ..handlers import HandlerSpec, Reject, Retry
@@ -62,6 +63,18 @@ _CALLED = frozenset(
         Outcome.DROP_CALLED,
         Outcome.RETRY_SIGNAL,
         Outcome.REJECT_SIGNAL,
+    }
+)
+# Outcomes whose cause is an error of the delivery (the process span's ``error.type``).
+_FAILED = frozenset(
+    {
+        Outcome.RAISED,
+        Outcome.EXITED,
+        Outcome.CANCELLED,
+        Outcome.TIMED_OUT,
+        Outcome.CONSUMER_TIMEOUT,
+        Outcome.INVALID_BODY,
+        Outcome.UNDECODABLE,
     }
 )
 
@@ -125,6 +138,7 @@ class Ticket:
         "for_broker",
         "session",
         "settling",
+        "span",
         "started",
         "tag",
         "task",
@@ -144,6 +158,8 @@ class Ticket:
         self.started = 0.0
         self.admitted = time.perf_counter()
         self.for_broker = False
+        self.span: Any = None
+        """Its ``process`` span (None: tracing is off)."""
 
     @property
     def outcome(self) -> Settle | None:
@@ -357,6 +373,9 @@ class Session(Frames):
         finally:
             ticket.settling = False
         ticket._outcome = final
+        if ticket.span is not None:
+            error = cause.error if cause.outcome in _FAILED else None
+            settled(ticket.span, final, cause.outcome, error)
         return True
 
     async def _carry_out(self, ticket: Ticket, decision: Decision, cause: Cause) -> Settle:
