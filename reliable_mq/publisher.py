@@ -703,6 +703,9 @@ class ReliablePublisher:
 
 def _refuse(out: Outgoing, error: ReliableMQError) -> None:
     """Call back a message that was never admitted (once: the callback is dropped)."""
+    if out.span is not None:  # its admission never ran (cancelled first): end its span here
+        publish_ended(out.span, out.message_id, out.attempts, error)
+        out.span = None
     callback, out.callback = out.callback, None
     if callback is not None:
         callback(None, error)

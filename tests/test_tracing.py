@@ -188,6 +188,23 @@ class TestPublishSpan:
         assert span.context is not None
         assert span.context.trace_id == request.get_span_context().trace_id
 
+    async def test_publish_with_callback_ends_its_span_with_the_outcome(
+        self, broker_url: str, queue: str, spans: Spans
+    ) -> None:
+        """The callback form gets its span too, ended when the callback is called."""
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        async with ReliablePublisher(
+            connection(broker_url), registry=CollectorRegistry(), tracer_provider=spans.provider
+        ) as publisher:
+            publisher.publish_with_callback(
+                lambda result, error: done.set_result((result, error)), b"x", routing_key=queue
+            )
+            result, error = await asyncio.wait_for(done, 10)
+            assert error is None
+            [span] = spans.exporter.get_finished_spans()
+        assert span.attributes is not None
+        assert span.attributes["messaging.message.id"] == result.message_id
+
     async def test_unroutable_sets_error_type(self, broker_url: str, spans: Spans) -> None:
         """A mandatory message no queue takes: ``error.type=PublishUnroutable``, status ERROR."""
         nowhere = f"test-nowhere-{uuid.uuid4().hex[:10]}"
