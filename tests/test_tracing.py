@@ -381,6 +381,33 @@ class TestProcessSpan:
         assert copy.attributes is not None
         assert copy.attributes["reliable_mq.publish.attempts"] == 1
 
+    async def test_a_duplicate_is_an_event_on_its_process_span(
+        self, consumers: ConsumerEnv, spans: Spans
+    ) -> None:
+        """A message id done already: settled ``duplicate`` without a handler, an event."""
+        consumer = consumers.consumer()
+        calls: list[str] = []
+
+        @consumer.handler(consumers.queue)
+        async def handle(body: bytes, delivery: Delivery) -> None:
+            calls.append(delivery.message_id)
+
+        async with consumer:
+            async with ReliablePublisher(
+                connection(consumers.url), registry=CollectorRegistry()
+            ) as publisher:
+                await publisher.publish(b"x", routing_key=consumers.queue, message_id="d-1")
+                await wait_until(lambda: len(spans.named("process ")) == 1, timeout=10)
+                await publisher.publish(b"x", routing_key=consumers.queue, message_id="d-1")
+            await wait_until(lambda: len(spans.named("process ")) == 2, timeout=10)
+        assert calls == ["d-1"]
+        first, second = spans.named("process ")
+        assert first.attributes is not None and second.attributes is not None
+        assert first.attributes["reliable_mq.settle"] == "ack"
+        assert not first.events
+        assert second.attributes["reliable_mq.settle"] == "duplicate"
+        assert [event.name for event in second.events] == ["duplicate"]
+
     async def test_a_plain_aio_pika_message_with_a_traceparent_is_linked(
         self, consumers: ConsumerEnv, spans: Spans
     ) -> None:
