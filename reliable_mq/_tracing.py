@@ -11,12 +11,14 @@ Attributes follow the OpenTelemetry messaging conventions for RabbitMQ
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._extras import missing_extra
 from ._version import __version__
+from .log import get_logger
 
 if TYPE_CHECKING:
     from yarl import URL
@@ -46,6 +48,47 @@ TRACEPARENT = "traceparent"
 
 _RECHECK = 2.0
 """Seconds between two looks at the global tracer provider (it may be set late)."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_warned: set[str] = set()
+
+
+def _guarded(fallback: Callable[..., Any]) -> Callable[[_F], _F]:
+    """A tracer provider that raises must never break a publish or a settle: the
+    call's error is logged once per function (``tracing_failed``) and ``fallback``
+    (given the call's arguments) answers instead."""
+
+    def wrap(func: _F) -> _F:
+        @functools.wraps(func)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return func(*args, **kwargs)
+            except Exception as exc:
+                if func.__name__ not in _warned:
+                    _warned.add(func.__name__)
+                    get_logger(__name__).warning(
+                        "tracing_failed", call=func.__name__, error=repr(exc)[:300]
+                    )
+                return fallback(*args, **kwargs)
+
+        return guarded  # type: ignore[return-value]
+
+    return wrap
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _no_span(
+    tracer: Any,
+    exchange: str,
+    routing_key: str,
+    headers: Any,
+    correlation_id: Any,
+    url: URL | None,
+) -> tuple[Any, Any]:
+    return None, headers
 
 
 class Tracing:
@@ -118,6 +161,7 @@ def _server(url: URL | None, attributes: dict[str, Any]) -> None:
 # -- publish ----------------------------------------------------------------------------
 
 
+@_guarded(_no_span)
 def start_publish(
     tracer: Any,
     exchange: str,
@@ -154,11 +198,13 @@ def start_publish(
     return span, headers
 
 
+@_guarded(_nothing)
 def republished(span: Any, reason: str, attempt: int) -> None:
     """The engine sends the message again (a ``republish`` event on its one span)."""
     span.add_event("republish", {"reason": reason, "attempt": attempt})
 
 
+@_guarded(_nothing)
 def publish_ended(span: Any, message_id: str, attempts: int, error: BaseException | None) -> None:
     """The outcome is known: confirmed (``error`` None) or a typed error."""
     if message_id:
@@ -193,6 +239,7 @@ class _HeaderGetter(Getter):  # type: ignore[type-arg]
 _GETTER = _HeaderGetter() if trace is not None else None
 
 
+@_guarded(_nothing)
 def start_process(
     tracer: Any,
     *,
@@ -239,6 +286,7 @@ def start_process(
     )
 
 
+@_guarded(_nothing)
 def settled(span: Any, settle: str, outcome: str, error: BaseException | None) -> None:
     """The delivery was settled: how (``ack``, ``retry``, ``dead_letter``...), why
     (the outcome: ``returned``, ``raised``...) and the error of a failed delivery."""

@@ -470,3 +470,53 @@ class TestTracingOff:
             async with link:
                 await delete_topology(await link.channel(), consumer.topology(env.queue))
         assert received == [{"tenant": "t1"}]
+
+
+class _BrokenTracer:
+    def start_span(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("exporter misconfigured")
+
+
+class _BrokenProvider:
+    """A tracer provider whose tracer raises on every span (a misconfigured SDK)."""
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> _BrokenTracer:
+        return _BrokenTracer()
+
+
+@pytest.mark.rabbitmq
+class TestBrokenTracer:
+    async def test_a_raising_tracer_never_breaks_publish_or_consume(self, broker_url: str) -> None:
+        """Every span call that raises is logged once (``tracing_failed``) and the message
+        is published, delivered and acked as without tracing, with no header added."""
+        import structlog
+
+        env = ConsumerEnv(broker_url, None)
+        consumer = ReliableConsumer(
+            connection(broker_url), registry=CollectorRegistry(), tracer_provider=_BrokenProvider()
+        )
+        received: list[dict[str, Any]] = []
+
+        @consumer.handler(env.queue)
+        async def handle(body: bytes, delivery: Delivery) -> None:
+            received.append(dict(delivery.headers))
+
+        try:
+            with structlog.testing.capture_logs() as logs:
+                async with consumer:
+                    async with ReliablePublisher(
+                        connection(broker_url),
+                        registry=CollectorRegistry(),
+                        tracer_provider=_BrokenProvider(),
+                    ) as publisher:
+                        for _ in range(3):
+                            await publisher.publish(b"x", routing_key=env.queue)
+                    await wait_until(lambda: len(received) == 3, timeout=10, what="3 handled")
+                    await wait_until(lambda: consumer.stats().acked == 3, timeout=10, what="acks")
+        finally:
+            link = await aio_pika.connect(broker_url)
+            async with link:
+                await delete_topology(await link.channel(), consumer.topology(env.queue))
+        assert received == [{}, {}, {}]
+        failed = [e["call"] for e in logs if e["event"] == "tracing_failed"]
+        assert sorted(failed) == ["start_process", "start_publish"]  # once each

@@ -214,6 +214,9 @@ class Dispatcher:
             attempt=delivery.attempt,
             url=None if address is None else address().url,
         )
+        if ticket.span is None:  # the tracer failed (logged once): no span, same work
+            await self._deliver(route, ticket, acks_first, undecodable)
+            return
         with use_span(ticket.span):
             await self._deliver(route, ticket, acks_first, undecodable)
 
