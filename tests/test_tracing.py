@@ -520,3 +520,67 @@ class TestBrokenTracer:
         assert received == [{}, {}, {}]
         failed = [e["call"] for e in logs if e["event"] == "tracing_failed"]
         assert sorted(failed) == ["start_process", "start_publish"]  # once each
+
+
+@pytest.mark.rabbitmq
+class TestBlockingPublisher:
+    def test_each_calling_threads_span_is_the_parent(self, broker_url: str, spans: Spans) -> None:
+        """``publish()`` and ``submit()`` run on the publisher's loop thread, in a copy of
+        the caller's context: each publish span is a child of the span current in the
+        thread that called, and is ended by the confirm."""
+        import threading
+
+        import pika
+
+        from reliable_mq import BlockingPublisher
+
+        queue = f"test-tracing-sync-{uuid.uuid4().hex[:8]}"
+        admin = pika.BlockingConnection(pika.URLParameters(broker_url))
+        admin.channel().queue_declare(queue, durable=True)
+        tracer = spans.provider.get_tracer("test")
+        parents: dict[str, tuple[int, int]] = {}
+        errors: list[BaseException] = []
+        try:
+            with BlockingPublisher(
+                connection(broker_url),
+                registry=CollectorRegistry(),
+                tracer_provider=spans.provider,
+            ) as publisher:
+
+                def call(name: str) -> None:
+                    try:
+                        with tracer.start_as_current_span(name) as parent:
+                            context = parent.get_span_context()
+                            parents[name] = (context.trace_id, context.span_id)
+                            if name == "request-submit":
+                                publisher.submit(b"x", routing_key=queue, message_id=name).result(
+                                    30
+                                )
+                            else:
+                                publisher.publish(b"x", routing_key=queue, message_id=name)
+                    except BaseException as exc:
+                        errors.append(exc)
+
+                threads = [
+                    threading.Thread(target=call, args=(name,))
+                    for name in ("request-publish", "request-submit")
+                ]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join(30)
+        finally:
+            admin.channel().queue_delete(queue)
+            admin.close()
+        assert errors == []
+        published = {
+            span.attributes["messaging.message.id"]: span
+            for span in spans.named("publish ")
+            if span.attributes is not None
+        }
+        assert set(published) == set(parents) == {"request-publish", "request-submit"}
+        for name, span in published.items():
+            assert span.kind is SpanKind.PRODUCER
+            assert span.status.status_code is not StatusCode.ERROR
+            assert span.parent is not None
+            assert (span.parent.trace_id, span.parent.span_id) == parents[name]

@@ -88,6 +88,10 @@ class BlockingPublisher:
             ``submit()`` blocks beyond that (default: twice ``settings.max_in_flight``).
         exit_timeout: seconds an unclosed publisher waits for confirms at exit
             (the close then gets 2 more seconds at most).
+        tracer_provider: an OpenTelemetry ``TracerProvider`` for the publish spans
+            (see the tracing guide); default: the global one. Each call runs on the
+            loop thread in a copy of the calling thread's context, so a publish span
+            is a child of the span current in the caller's thread.
 
     Raises:
         InvalidSettings: a setting or argument is invalid.
@@ -102,6 +106,7 @@ class BlockingPublisher:
         metrics_prefix: str = "reliable_mq",
         max_pending: int | None = None,
         exit_timeout: float = 10.0,
+        tracer_provider: Any | None = None,
     ) -> None:
         connection = ConnectionSettings.of(connection)
         self.settings = settings if settings is not None else PublisherSettings()
@@ -116,6 +121,7 @@ class BlockingPublisher:
         self._connection = connection
         self._registry = registry
         self._metrics_prefix = metrics_prefix
+        self._tracer_provider = tracer_provider
         self._max_pending = max_pending
         self._exit_timeout = float(exit_timeout)
         self._log = get_logger(__name__)
@@ -497,6 +503,7 @@ class BlockingPublisher:
             settings=self.settings,
             registry=self._registry,
             metrics_prefix=self._metrics_prefix,
+            tracer_provider=self._tracer_provider,
         )
         await publisher.start()
         return publisher
