@@ -621,7 +621,8 @@ class ReliablePublisher:
                 self._seq, body, routing_key, exchange, **options
             )
         except BaseException as exc:
-            publish_ended(span, "", 0, exc)
+            if span is not None:  # None: the tracer failed (logged once)
+                publish_ended(span, "", 0, exc)
             raise
         out = self._outgoing(message_id, encoded, exchange, routing_key, mandatory, deadline_in)
         out.span = span
