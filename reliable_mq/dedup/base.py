@@ -19,7 +19,13 @@ from typing import Protocol, runtime_checkable
 
 from ..errors import ConsumerError
 
-__all__ = ("AlreadyProcessed", "ClaimResult", "DedupStore", "DedupStoreUnavailable")
+__all__ = (
+    "AlreadyProcessed",
+    "ClaimResult",
+    "DedupStore",
+    "DedupStoreUnavailable",
+    "InvalidBatch",
+)
 
 
 class ClaimResult(enum.Enum):
@@ -54,6 +60,16 @@ class AlreadyProcessed(ConsumerError):
     def __init__(self, message_id: str) -> None:
         self.message_id = message_id
         super().__init__(f"message {message_id!r} was already processed")
+
+
+class InvalidBatch(ConsumerError, ValueError):
+    """A batch for ``run_once_batch``/``mark_batch_done_in`` holds an id no store can keep.
+
+    Raised before any statement runs, so nothing of the batch was marked: an
+    item with no ``str`` id, an empty one (a message no publisher gave an id),
+    one longer than 255 UTF-8 bytes (AMQP's limit) or holding NUL, or a bare
+    string passed as the batch.
+    """
 
 
 @runtime_checkable

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 try:
@@ -39,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(missing_extra("PostgresDedupStore needs psycopg 3", "postgres")) from exc
 
 from .._sql import check_table_name, error_text
+from ._batch import BatchResult, HasMessageId, Item, check_batch, split
 from .base import AlreadyProcessed, ClaimResult, DedupStoreUnavailable
 
 __all__ = ("PostgresDedupStore",)
@@ -70,12 +71,26 @@ _MARK_DONE = (
 )
 # Refuses an id another transaction already made done (and still remembers).
 _MARK_DONE_ONCE = _MARK_DONE + " WHERE d.owner IS NOT NULL OR d.expires_at <= clock_timestamp()"
+# A batch's marks in one statement: one array parameter, so no limit on the
+# batch's size. The ids come sorted, so two batches sharing ids lock them in
+# one order: the later waits for the earlier's commit, and never deadlocks.
+_MARK_BATCH_ONCE = (
+    "INSERT INTO {t} AS d (message_id, owner, expires_at)"
+    " SELECT u.id, NULL, clock_timestamp() + make_interval(secs => %(keep)s)"
+    " FROM unnest(CAST(%(ids)s AS text[])) AS u(id)"
+    " ON CONFLICT (message_id) DO UPDATE SET owner = NULL, expires_at = excluded.expires_at"
+    " WHERE d.owner IS NOT NULL OR d.expires_at <= clock_timestamp()"
+    " RETURNING d.message_id"
+)
 _SCHEMA_LOCK = 0x726D_7164_6564_7570  # "rmqdedup" in ASCII: the schema-creation lock key
 _RELEASE = "DELETE FROM {t} WHERE message_id = %(id)s AND owner = %(owner)s"
 _PURGE = (
     "DELETE FROM {t} WHERE message_id IN (SELECT message_id FROM {t}"
     " WHERE expires_at <= clock_timestamp() LIMIT 1000 FOR UPDATE SKIP LOCKED)"
 )
+
+
+_TEMPLATES = {"done_once": _MARK_DONE_ONCE, "batch_once": _MARK_BATCH_ONCE}
 
 
 class _EffectFailed(Exception):
@@ -124,6 +139,7 @@ class PostgresDedupStore:
                 ("claim", _CLAIM),
                 ("done", _MARK_DONE),
                 ("done_once", _MARK_DONE_ONCE),
+                ("batch_once", _MARK_BATCH_ONCE),
                 ("release", _RELEASE),
                 ("purge", _PURGE),
                 ("schema0", _SCHEMA[0]),
@@ -202,6 +218,51 @@ class PostgresDedupStore:
         except _EffectFailed as failed:
             raise failed.error from None
 
+    async def run_once_batch(
+        self,
+        items: Iterable[Item],
+        effect: Callable[[psycopg.AsyncConnection[Any], list[Item]], Awaitable[T]],
+    ) -> BatchResult[T]:
+        """Mark a batch's ids done and run ``await effect(conn, new)`` in one transaction.
+
+        ``items`` are message ids or deliveries (anything with a
+        ``message_id``); an id repeated in the batch counts once. One
+        statement marks every id not done yet; ``effect`` then gets the
+        connection, inside the open transaction, and only the items of those
+        ids, in batch order. The effect's writes and the marks commit
+        together: after a crash either both are there or neither. If no id is
+        new, ``effect`` does not run. It must not commit or roll back; if it
+        raises, nothing is kept (no mark either) and its exception propagates
+        unchanged.
+
+        A copy of an id in flight in another transaction (another consumer)
+        makes this call wait for that commit, then leaves the id out (or, if
+        that transaction rolled back, takes it): copies never run together.
+
+        Raises:
+            InvalidBatch: an id is not a non-empty ``str`` of at most 255
+                bytes (checked before anything is written).
+            DedupStoreUnavailable: the database failed. Nothing was kept, or
+                the commit's outcome is unknown: running the batch again
+                applies exactly what is missing.
+        """
+        kept, ids = check_batch(items)
+        if not ids:
+            return BatchResult((), (), None)
+        value: T | None = None
+        try:
+            async with self._connection() as conn, conn.transaction():
+                new = await self._mark_batch(conn, ids)
+                todo, ran, done = split(kept, ids, new)
+                if todo:
+                    try:
+                        value = await effect(conn, todo)
+                    except BaseException as exc:
+                        raise _EffectFailed(exc) from exc
+        except _EffectFailed as failed:
+            raise failed.error from None
+        return BatchResult(ran, done, value)
+
     async def mark_done_in(self, connection: Any, message_id: str) -> None:
         """Mark ``message_id`` done inside ``connection``'s open transaction.
 
@@ -215,24 +276,65 @@ class PostgresDedupStore:
             TypeError: ``connection`` is none of those.
         """
         params = {"id": message_id, "keep": self.retention}
-        if isinstance(connection, psycopg.AsyncConnection):
-            cursor = await connection.execute(self._sql["done_once"], params)
-            rowcount = cursor.rowcount
-        else:
-            sa = sys.modules.get("sqlalchemy.ext.asyncio")
-            kinds = (sa.AsyncSession, sa.AsyncConnection) if sa is not None else ()
-            if not kinds or not isinstance(connection, kinds):
-                raise TypeError(
-                    "mark_done_in() takes a psycopg AsyncConnection or a SQLAlchemy "
-                    f"AsyncSession/AsyncConnection, not {type(connection).__name__}"
-                )
-            from sqlalchemy import text  # noqa: PLC0415 (the caller uses SQLAlchemy)
-
-            query = _MARK_DONE_ONCE.format(t=self.table).replace("%(id)s", ":id")
-            result = await connection.execute(text(query.replace("%(keep)s", ":keep")), params)
-            rowcount = result.rowcount
+        rowcount, _ = await self._execute_in(connection, "done_once", params, returning=False)
         if rowcount == 0:
             raise AlreadyProcessed(message_id)
+
+    async def mark_batch_done_in(
+        self, connection: Any, items: Iterable[str | HasMessageId]
+    ) -> list[str]:
+        """Mark a batch's ids done inside ``connection``'s open transaction.
+
+        The batch form of `mark_done_in`, for the same connections. Write the
+        effect for the returned ids only, then commit: the marks and the
+        effect commit together. Ids another transaction holds make it wait
+        for that commit, as in `run_once_batch`.
+
+        Returns:
+            The ids that were not done yet, in batch order, each once.
+
+        Raises:
+            InvalidBatch: an id is not a non-empty ``str`` of at most 255
+                bytes (checked before anything is written).
+            TypeError: ``connection`` is none of those.
+        """
+        _, ids = check_batch(items)
+        if not ids:
+            return []
+        params = {"ids": sorted(ids), "keep": self.retention}
+        _, rows = await self._execute_in(connection, "batch_once", params, returning=True)
+        _, ran, _ = split(ids, ids, rows)
+        return list(ran)
+
+    async def _execute_in(
+        self, connection: Any, name: str, params: Mapping[str, object], *, returning: bool
+    ) -> tuple[int, list[str]]:
+        """Run one of the store's statements on a caller's connection: rowcount and ids."""
+        if isinstance(connection, psycopg.AsyncConnection):
+            cursor = await connection.execute(self._sql[name], params)
+            rows = await cursor.fetchall() if returning else []
+            return cursor.rowcount, [row[0] for row in rows]
+        sa = sys.modules.get("sqlalchemy.ext.asyncio")
+        kinds = (sa.AsyncSession, sa.AsyncConnection) if sa is not None else ()
+        if not kinds or not isinstance(connection, kinds):
+            raise TypeError(
+                f"{'mark_batch_done_in' if returning else 'mark_done_in'}() takes a psycopg "
+                "AsyncConnection or a SQLAlchemy AsyncSession/AsyncConnection, "
+                f"not {type(connection).__name__}"
+            )
+        from sqlalchemy import text  # noqa: PLC0415 (the caller uses SQLAlchemy)
+
+        query = _TEMPLATES[name].format(t=self.table)
+        for key in params:
+            query = query.replace(f"%({key})s", f":{key}")
+        result = await connection.execute(text(query), dict(params))
+        found = [row[0] for row in result.fetchall()] if returning else []
+        return result.rowcount, found
+
+    async def _mark_batch(self, conn: psycopg.AsyncConnection[Any], ids: list[str]) -> list[str]:
+        params = {"ids": sorted(ids), "keep": self.retention}
+        cursor = await conn.execute(self._sql["batch_once"], params)
+        return [row[0] for row in await cursor.fetchall()]
 
     async def _mark_once(self, conn: psycopg.AsyncConnection[Any], message_id: str) -> None:
         cursor = await conn.execute(

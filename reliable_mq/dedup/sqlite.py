@@ -28,10 +28,11 @@ import asyncio
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, TypeVar
 
+from ._batch import BatchResult, HasMessageId, Item, check_batch, split
 from .base import AlreadyProcessed, ClaimResult, DedupStoreUnavailable
 
 __all__ = ("SQLiteDedupStore",)
@@ -135,6 +136,58 @@ class SQLiteDedupStore:
             DedupStoreUnavailable: the database failed (nothing was kept).
         """
         return await self._call(self._run_once, message_id, effect)
+
+    async def run_once_batch(
+        self,
+        items: Iterable[Item],
+        effect: Callable[[sqlite3.Connection, list[Item]], T],
+    ) -> BatchResult[T]:
+        """Mark a batch's ids done and run ``effect(conn, new)`` in one transaction.
+
+        ``items`` are message ids or deliveries (anything with a
+        ``message_id``); an id repeated in the batch counts once. Inside
+        ``BEGIN IMMEDIATE`` on the store's worker thread, every id not done
+        yet is marked; ``effect`` then gets the connection and only the items
+        of those ids, in batch order, and everything commits together. If no
+        id is new, ``effect`` does not run. It must not commit or roll back;
+        if it raises, nothing is kept (no mark either) and its exception
+        propagates unchanged.
+
+        Raises:
+            InvalidBatch: an id is not a non-empty ``str`` of at most 255
+                bytes (checked before anything is written).
+            DedupStoreUnavailable: the database failed (nothing was kept).
+        """
+        kept, ids = check_batch(items)
+        if not ids:
+            return BatchResult((), (), None)
+        return await self._call(self._run_once_batch, kept, ids, effect)
+
+    def mark_batch_done_in(
+        self, connection: sqlite3.Connection, items: Iterable[str | HasMessageId]
+    ) -> list[str]:
+        """Mark a batch's ids done inside ``connection``'s current transaction.
+
+        The batch form of `mark_done_in`: write the effect for the returned
+        ids only, then commit both. It starts a transaction if none is open;
+        commit or roll back stays yours.
+
+        Returns:
+            The ids that were not done yet, in batch order, each once.
+
+        Raises:
+            InvalidBatch: an id is not a non-empty ``str`` of at most 255
+                bytes (checked before anything is written).
+        """
+        _, ids = check_batch(items)
+        if not ids:
+            return []
+        if not connection.in_transaction:
+            connection.execute("BEGIN IMMEDIATE")
+        for statement in _SCHEMA:
+            connection.execute(statement)
+        _, ran, _ = split(ids, ids, self._mark_batch(connection, ids))
+        return list(ran)
 
     def mark_done_in(self, connection: sqlite3.Connection, message_id: str) -> None:
         """Mark ``message_id`` done inside ``connection``'s current transaction.
@@ -260,6 +313,34 @@ class SQLiteDedupStore:
             if cursor.rowcount == 0:
                 raise AlreadyProcessed(message_id)
             return result
+
+        return self._transaction(both)
+
+    def _mark_batch(self, conn: sqlite3.Connection, ids: list[str]) -> list[str]:
+        """Mark each id not done yet (one statement each: no parameter limit); the new ones."""
+        now = time.time()
+        keep = now + self.retention
+        return [
+            message_id
+            for message_id in ids
+            if conn.execute(_MARK_DONE_ONCE, (message_id, keep, now)).rowcount == 1
+        ]
+
+    def _run_once_batch(
+        self,
+        items: list[Item],
+        ids: list[str],
+        effect: Callable[[sqlite3.Connection, list[Item]], T],
+    ) -> BatchResult[T]:
+        def both(conn: sqlite3.Connection) -> BatchResult[T]:
+            todo, ran, done = split(items, ids, self._mark_batch(conn, ids))
+            if not todo:
+                return BatchResult(ran, done, None)
+            try:
+                value = effect(conn, todo)
+            except Exception as exc:
+                raise _EffectFailed(exc) from exc
+            return BatchResult(ran, done, value)
 
         return self._transaction(both)
 
