@@ -10,7 +10,10 @@ events table, written three ways:
 * ``PostgresDedupStore.run_once_batch`` in batches of ``--batch`` (100 and
   500 by default): one transaction marks the batch's ids and inserts the new
   messages (``executemany``: one ``INSERT`` per message, pipelined), then
-  commits.
+  commits;
+* for reference, at-least-once in transactions of the largest batch size
+  (the same ``executemany``, no marks): what the marks cost on top of a
+  batched insert.
 
 This measures the store's own cost: the messages are handed over directly,
 without RabbitMQ, one call after another (no concurrency). Modes run one
@@ -69,6 +72,14 @@ async def at_least_once(dsn: str, table: str, messages: list[Message]) -> None:
         query = insert_sql(table)
         for message in messages:
             await conn.execute(query, message)
+
+
+async def batched_at_least_once(dsn: str, table: str, messages: list[Message], size: int) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        query = insert_sql(table)
+        for start in range(0, len(messages), size):
+            async with conn.transaction(), conn.cursor() as cursor:
+                await cursor.executemany(query, messages[start : start + size])
 
 
 async def per_message(store: PostgresDedupStore, table: str, messages: list[Message]) -> None:
@@ -134,6 +145,10 @@ async def main(args: argparse.Namespace) -> None:
         modes[f"run_once_batch, batches of {size}"] = lambda ms, size=size: batched(
             store, events, ms, size
         )
+    largest = max(args.batch)
+    modes[f"reference: at-least-once, batches of {largest}"] = lambda ms: batched_at_least_once(
+        args.dsn, events, ms, largest
+    )
     samples: dict[str, list[Sample]] = {name: [] for name in modes}
     load_before = os.getloadavg()
     try:
