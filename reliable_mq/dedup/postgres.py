@@ -18,6 +18,9 @@ async def credit(conn: psycopg.AsyncConnection) -> None:
 await store.run_once(delivery.message_id, credit)  # AlreadyProcessed: ack and skip
 ```
 
+For many messages at once, `run_once_batch` marks a batch's ids and commits
+them with the effect in one transaction; the effect gets only the new ones.
+
 Needs the ``postgres`` extra (from a clone: ``pip install '.[postgres]'``).
 """
 
