@@ -302,6 +302,7 @@ class PostgresDedupStore:
             TypeError: ``connection`` is none of those.
         """
         _, ids = check_batch(items)
+        _is_psycopg(connection, "mark_batch_done_in")
         if not ids:
             return []
         params = {"ids": sorted(ids), "keep": self.retention}
@@ -313,18 +314,10 @@ class PostgresDedupStore:
         self, connection: Any, name: str, params: Mapping[str, object], *, returning: bool
     ) -> tuple[int, list[str]]:
         """Run one of the store's statements on a caller's connection: rowcount and ids."""
-        if isinstance(connection, psycopg.AsyncConnection):
+        if _is_psycopg(connection, "mark_batch_done_in" if returning else "mark_done_in"):
             cursor = await connection.execute(self._sql[name], params)
             rows = await cursor.fetchall() if returning else []
             return cursor.rowcount, [row[0] for row in rows]
-        sa = sys.modules.get("sqlalchemy.ext.asyncio")
-        kinds = (sa.AsyncSession, sa.AsyncConnection) if sa is not None else ()
-        if not kinds or not isinstance(connection, kinds):
-            raise TypeError(
-                f"{'mark_batch_done_in' if returning else 'mark_done_in'}() takes a psycopg "
-                "AsyncConnection or a SQLAlchemy AsyncSession/AsyncConnection, "
-                f"not {type(connection).__name__}"
-            )
         from sqlalchemy import text  # noqa: PLC0415 (the caller uses SQLAlchemy)
 
         query = _TEMPLATES[name].format(t=self.table)
@@ -405,6 +398,23 @@ class PostgresDedupStore:
         if now >= self._next_purge:
             self._next_purge = now + self._purge_interval
             await conn.execute(self._sql["purge"])
+
+
+def _is_psycopg(connection: object, method: str) -> bool:
+    """True for a psycopg ``AsyncConnection``, False for SQLAlchemy's async session or connection.
+
+    Raises:
+        TypeError: ``connection`` is neither.
+    """
+    if isinstance(connection, psycopg.AsyncConnection):
+        return True
+    sa = sys.modules.get("sqlalchemy.ext.asyncio")
+    if sa is not None and isinstance(connection, sa.AsyncSession | sa.AsyncConnection):
+        return False
+    raise TypeError(
+        f"{method}() takes a psycopg AsyncConnection or a SQLAlchemy "
+        f"AsyncSession/AsyncConnection, not {type(connection).__name__}"
+    )
 
 
 def _idle_in(conn: psycopg.AsyncConnection[Any]) -> bool:
