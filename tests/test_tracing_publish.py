@@ -24,7 +24,7 @@ from reliable_mq._publish.traced import MAX_LINKS
 from reliable_mq.errors import PublishBatchError
 from reliable_mq.message import Message
 from tests.support.amqp import drain_queue
-from tests.test_tracing import Spans, connection, traceparent
+from tests.test_tracing import Spans, _BrokenProvider, connection, traceparent
 
 GIVEN = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 """A ``traceparent`` set by the caller (an outbox row, another service)."""
@@ -294,6 +294,25 @@ class TestBatchSpan:
                 ]
             )
         assert [m.headers for m in await drain_queue(broker_url, queue)] == [{}, {"t": 1}]
+
+    async def test_a_raising_tracer_never_breaks_a_batch(self, broker_url: str, queue: str) -> None:
+        """A tracer that raises: logged once (``tracing_failed``), the batch is published
+        as without tracing, headers untouched."""
+        import structlog
+
+        with structlog.testing.capture_logs() as logs:
+            async with ReliablePublisher(
+                connection(broker_url),
+                registry=CollectorRegistry(),
+                tracer_provider=_BrokenProvider(),
+            ) as mq:
+                for _ in range(2):
+                    result = await mq.publish_many(
+                        [Message(b"x", routing_key=queue, headers={"t": n}) for n in range(2)]
+                    )
+                    assert result.confirmed == 2
+        assert [m.headers for m in await drain_queue(broker_url, queue)] == [{"t": 0}, {"t": 1}] * 2
+        assert [e["call"] for e in logs if e["event"] == "tracing_failed"] == ["start_batch"]
 
 
 @pytest.mark.rabbitmq
