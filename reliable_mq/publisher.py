@@ -50,7 +50,6 @@ from .connection import ConnectionSupervisor
 from .errors import (
     ClosedError,
     FlushTimeout,
-    InvalidMessage,
     InvalidSettings,
     PublishError,
     ReliableMQError,
@@ -509,7 +508,9 @@ class ReliablePublisher:
     ) -> bool:
         """Read one message of a batch into flight; True when the batch must stop."""
         try:
-            out = self._prepare_message(message, timeout, trace)
+            if self._state is not PublisherState.OPEN and isinstance(message, Message):
+                self._check_batch_open()
+            out = self._intake.batch_message(message, timeout, trace)
         except ClosedError as exc:  # close() began: the rest of the input is not read
             batch.rejected(index, getattr(message, "message_id", None) or "", exc)
             return True
@@ -571,17 +572,6 @@ class ReliablePublisher:
     ) -> Outgoing:
         self._check_open()
         return self._intake.message(body, routing_key, exchange, timeout, options)
-
-    def _prepare_message(
-        self, message: Any, timeout: float | None, trace: BatchTrace | None
-    ) -> Outgoing:
-        if not isinstance(message, Message):
-            raise InvalidMessage(
-                f"publish_many takes Message objects, not {type(message).__name__}"
-            )
-        if self._state is not PublisherState.OPEN:
-            self._check_batch_open()
-        return self._intake.batch_message(message, timeout, trace)
 
     # -- the periodic sweep -----------------------------------------------------------
 

@@ -120,9 +120,18 @@ class Intake:
         return BatchTrace(tracer, self._url(), create_spans=create_spans)
 
     def batch_message(
-        self, message: Message, timeout: float | None, trace: BatchTrace | None
+        self, message: Any, timeout: float | None, trace: BatchTrace | None
     ) -> Outgoing:
-        """A message of a ``publish_many()`` (``trace``: its spans, None when off)."""
+        """A message of a ``publish_many()`` (``trace``: its spans, None when off).
+
+        Raises:
+            InvalidMessage: it is not a [Message][reliable_mq.message.Message], or
+                cannot be sent as given (also InvalidBody, MessageTooLarge).
+        """
+        if not isinstance(message, Message):
+            raise InvalidMessage(
+                f"publish_many takes Message objects, not {type(message).__name__}"
+            )
         deadline_in = self.preparer.deadline_in(timeout)
         self._seq += 1
         if trace is None:
