@@ -29,7 +29,6 @@ import asyncio
 import enum
 import functools
 import secrets
-import time
 from collections.abc import AsyncIterable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -41,22 +40,23 @@ from ._publish.batch import Batch, run_batch
 from ._publish.closing import Closing, task_end
 from ._publish.engine import Engine
 from ._publish.exchanges import ExchangeCache
+from ._publish.intake import Intake
 from ._publish.outgoing import Outgoing, Preparer
 from ._publish.ports import Stream, StreamEvents
 from ._publish.stream import StreamKeeper
-from ._tracing import Tracing, publish_ended, start_publish
+from ._publish.traced import BatchTrace
+from ._tracing import Tracing, publish_ended
 from .connection import ConnectionSupervisor
 from .errors import (
     ClosedError,
     FlushTimeout,
-    InvalidMessage,
     InvalidSettings,
     PublishError,
     ReliableMQError,
 )
 from .log import get_logger
 from .message import Message, MessageOptions
-from .metrics import ExchangeMetrics, Metrics, PublisherMetrics
+from .metrics import Metrics, PublisherMetrics
 from .outcomes import BatchResult, PendingPublish, PublisherStats, PublishResult
 from .settings import ConnectionSettings, PublisherSettings
 
@@ -69,7 +69,6 @@ __all__ = (
     "ReliablePublisher",
 )
 
-_OPTION_NAMES = frozenset(MessageOptions.__annotations__)
 _YIELD_EVERY = 128
 """publish_many() lets the loop run (writes, confirms) after this many messages."""
 
@@ -124,10 +123,13 @@ class ReliablePublisher:
         self._metrics = Metrics.on(registry, metrics_prefix)
         self._supervisor = ConnectionSupervisor(connection, role="publisher", metrics=self._metrics)
         self._log = get_logger(__name__).bind(connection=self._supervisor.name)
-        self._preparer = Preparer(self.settings, secrets.token_hex(8) + "-")
+        preparer = Preparer(self.settings, secrets.token_hex(8) + "-")
         self._tracing = Tracing(tracer_provider)
         self._counts: PublisherMetrics = self._metrics.for_publisher(
             self._supervisor.name, owner=self
+        )
+        self._intake = Intake(
+            preparer, self._counts, self._tracing, lambda: self._supervisor.address.url
         )
         open_timeout = connection.connect_timeout
 
@@ -140,7 +142,7 @@ class ReliablePublisher:
 
         self._engine = Engine(
             self.settings,
-            self._preparer,
+            preparer,
             exchanges=ExchangeCache(self._supervisor, open_timeout=open_timeout, log=self._log),
             link=self._supervisor,
             stream=stream,
@@ -149,11 +151,9 @@ class ReliablePublisher:
         )
         self._closing = Closing(self._engine, self._log)
         self._supervisor.on_stopped = self._io_stopped
-        self._labelled: dict[str, ExchangeMetrics] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._admitting: set[asyncio.Task[None]] = set()
         self._state = PublisherState.IDLE
-        self._seq = 0
 
     # -- life cycle ---------------------------------------------------------
 
@@ -382,29 +382,7 @@ class ReliablePublisher:
         (awaiting it unshielded, as ``publish()`` does).
         """
         self._check_open()
-        deadline_in = self._preparer.deadline_in(timeout)
-        self._seq += 1
-        span = None
-        tracer = self._tracing.tracer()
-        if tracer is not None:
-            span, headers = start_publish(
-                tracer,
-                "",
-                routing_key,
-                headers,
-                properties.get("correlation_id"),
-                self._supervisor.address.url,
-            )
-        try:
-            message_id, encoded = self._preparer.encode_copy(
-                self._seq, body, routing_key, properties, headers
-            )
-        except BaseException as exc:
-            if span is not None:
-                publish_ended(span, "", 0, exc)
-            raise
-        out = self._outgoing(message_id, encoded, "", routing_key, True, deadline_in)
-        out.span = span
+        out = self._intake.copy(body, routing_key, properties, headers, timeout)
         future: asyncio.Future[PublishResult] = asyncio.get_running_loop().create_future()
         out.future = future
         if not self._engine.admit_now(out):
@@ -508,8 +486,13 @@ class ReliablePublisher:
         engine = self._engine
         engine.begin_batch()  # close() waits for the whole batch: its input was handed over
         try:
-            take = functools.partial(self._take, timeout=timeout, max_failures=max_failures)
-            return await run_batch(messages, take, raise_on_error=raise_on_error)
+            trace = self._intake.batch_trace(self.settings.trace_create_spans)
+            take = functools.partial(
+                self._take, timeout=timeout, max_failures=max_failures, trace=trace
+            )
+            batch = Batch()
+            running = run_batch(messages, take, batch, raise_on_error=raise_on_error)
+            return await (running if trace is None else trace.run(batch, running))
         finally:
             engine.end_batch()
 
@@ -521,10 +504,13 @@ class ReliablePublisher:
         *,
         timeout: float | None,
         max_failures: int | None,
+        trace: BatchTrace | None,
     ) -> bool:
         """Read one message of a batch into flight; True when the batch must stop."""
         try:
-            out = self._prepare_message(message, timeout)
+            if self._state is not PublisherState.OPEN and isinstance(message, Message):
+                self._check_batch_open()
+            out = self._intake.batch_message(message, timeout, trace)
         except ClosedError as exc:  # close() began: the rest of the input is not read
             batch.rejected(index, getattr(message, "message_id", None) or "", exc)
             return True
@@ -585,106 +571,7 @@ class ReliablePublisher:
         options: MessageOptions,
     ) -> Outgoing:
         self._check_open()
-        if options and not _OPTION_NAMES.issuperset(options):
-            unknown = ", ".join(sorted(set(options) - _OPTION_NAMES))
-            raise InvalidMessage(f"unknown message option(s): {unknown}")
-        deadline_in = self._preparer.deadline_in(timeout)
-        self._seq += 1
-        tracer = self._tracing.tracer()
-        if tracer is not None:
-            return self._prepare_traced(tracer, body, routing_key, exchange, deadline_in, options)
-        message_id, encoded, mandatory = self._preparer.encode(
-            self._seq, body, routing_key, exchange, **options
-        )
-        return self._outgoing(message_id, encoded, exchange, routing_key, mandatory, deadline_in)
-
-    def _prepare_traced(
-        self,
-        tracer: Any,
-        body: Any,
-        routing_key: str,
-        exchange: str,
-        deadline_in: float,
-        options: MessageOptions,
-    ) -> Outgoing:
-        """`_prepare` with a ``publish`` span: started now, its context in the headers."""
-        span, options["headers"] = start_publish(
-            tracer,
-            exchange,
-            routing_key,
-            options.get("headers"),
-            options.get("correlation_id"),
-            self._supervisor.address.url,
-        )
-        try:
-            message_id, encoded, mandatory = self._preparer.encode(
-                self._seq, body, routing_key, exchange, **options
-            )
-        except BaseException as exc:
-            if span is not None:  # None: the tracer failed (logged once)
-                publish_ended(span, "", 0, exc)
-            raise
-        out = self._outgoing(message_id, encoded, exchange, routing_key, mandatory, deadline_in)
-        out.span = span
-        return out
-
-    def _prepare_message(self, message: Any, timeout: float | None) -> Outgoing:
-        if not isinstance(message, Message):
-            raise InvalidMessage(
-                f"publish_many takes Message objects, not {type(message).__name__}"
-            )
-        if self._state is not PublisherState.OPEN:
-            self._check_batch_open()
-        deadline_in = self._preparer.deadline_in(timeout)
-        self._seq += 1
-        message_id, encoded, mandatory = self._preparer.encode(
-            self._seq,
-            message.body,
-            message.routing_key,
-            message.exchange,
-            message_id=message.message_id,
-            headers=message.headers,
-            persistent=message.persistent,
-            mandatory=message.mandatory,
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            correlation_id=message.correlation_id,
-            reply_to=message.reply_to,
-            expiration=message.expiration,
-            priority=message.priority,
-            message_type=message.message_type,
-            user_id=message.user_id,
-            app_id=message.app_id,
-            timestamp=message.timestamp,
-        )
-        return self._outgoing(
-            message_id, encoded, message.exchange, message.routing_key, mandatory, deadline_in
-        )
-
-    def _outgoing(
-        self,
-        message_id: str,
-        encoded: Any,
-        exchange: str,
-        routing_key: str,
-        mandatory: bool,
-        deadline_in: float,
-    ) -> Outgoing:
-        counts = self._labelled.get(exchange)
-        if counts is None:
-            counts = self._labelled[exchange] = self._counts.for_exchange(exchange)
-        counts.published += 1
-        return Outgoing(
-            self._seq,
-            message_id,
-            encoded,
-            exchange,
-            routing_key,
-            mandatory,
-            asyncio.get_running_loop().time() + deadline_in,
-            time.monotonic(),
-            counts,
-        )
+        return self._intake.message(body, routing_key, exchange, timeout, options)
 
     # -- the periodic sweep -----------------------------------------------------------
 
