@@ -1,0 +1,133 @@
+"""Spans on the executors (issue 21): one ``publish_partition`` span per partition, only
+where the Python workers have a tracer provider.
+
+The workers get tracing the way an application would give it to them: a
+``sitecustomize`` on their ``PYTHONPATH`` (``tests/spark/otel_worker``) sets a
+global SDK provider that writes spans as JSON lines into a directory. The
+shared session's ``SparkContext.environment`` carries the variables for one
+job: Spark keeps a Python daemon per distinct environment, so that job's
+workers start fresh with the hook, and the other tests' workers never see it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from pyspark.sql import DataFrame, SparkSession
+
+from reliable_mq import PublisherSettings
+from reliable_mq.spark import PublishSpec, publish_dataframe
+from tests.support.amqp import drain_queue_sync
+
+HOOK = Path(__file__).parent / "otel_worker"
+PARTITIONS = 3
+ROWS = 30  # per partition
+CHUNK = 10  # publish_many chunk: 10 x max_in_flight
+
+
+@contextmanager
+def worker_hook(spark: SparkSession, directory: Path, *, tracing: bool) -> Iterator[None]:
+    """Jobs started inside run their Python workers with the ``sitecustomize`` hook."""
+    environment: dict[str, str] = spark.sparkContext.environment
+    saved = dict(environment)
+    environment.update(
+        PYTHONPATH=str(HOOK),
+        RELIABLE_MQ_TEST_SPANS=str(directory),
+        RELIABLE_MQ_TEST_TRACING="on" if tracing else "off",
+    )
+    try:
+        yield
+    finally:
+        environment.clear()
+        environment.update(saved)
+
+
+def read_spans(directory: Path) -> list[dict[str, Any]]:
+    return [
+        json.loads(line)
+        for path in sorted(directory.glob("spans-*.jsonl"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+    ]
+
+
+def frame(spark: SparkSession) -> DataFrame:
+    return spark.range(PARTITIONS * ROWS, numPartitions=PARTITIONS).selectExpr("id AS n")
+
+
+def spec(url: str, queue: str) -> PublishSpec:
+    return PublishSpec(
+        url=url,
+        routing_key=queue,
+        key_columns=("n",),
+        id_namespace=f"tests-{queue}",
+        publisher=PublisherSettings(max_in_flight=CHUNK // 10),
+    )
+
+
+@pytest.mark.spark
+@pytest.mark.rabbitmq
+class TestPartitionSpans:
+    def test_one_span_per_partition_with_its_counts(
+        self, spark: SparkSession, broker_url: str, spark_queue: str, tmp_path: Path
+    ) -> None:
+        """A provider in the workers: ``publish_partition`` (INTERNAL) per partition,
+        with its index, task attempt and counts; nothing of the kind on the driver."""
+        with worker_hook(spark, tmp_path, tracing=True):
+            report = publish_dataframe(frame(spark), spec(broker_url, spark_queue))
+        assert report.confirmed == PARTITIONS * ROWS
+        assert list(tmp_path.glob("started-*")), "the hook ran in the workers"
+        partitions = [s for s in read_spans(tmp_path) if s["name"] == "publish_partition"]
+        assert len(partitions) == PARTITIONS
+        by_index = {s["attributes"]["reliable_mq.spark.partition"]: s for s in partitions}
+        assert sorted(by_index) == list(range(PARTITIONS))
+        for span in partitions:
+            assert span["kind"] == "SpanKind.INTERNAL"
+            assert span["parent_id"] is None
+            attributes = span["attributes"]
+            assert attributes["reliable_mq.spark.task_attempt"] == 0
+            assert attributes["reliable_mq.spark.rows"] == ROWS
+            assert attributes["reliable_mq.spark.confirmed"] == ROWS
+            assert attributes["reliable_mq.spark.republished"] == 0
+            assert attributes["reliable_mq.spark.rounds"] == 1
+            assert span["status"]["status_code"] == "UNSET"
+        assert len(drain_queue_sync(broker_url, spark_queue)) == PARTITIONS * ROWS
+
+    def test_chunks_are_batch_spans_inside_the_partition(
+        self, spark: SparkSession, broker_url: str, spark_queue: str, tmp_path: Path
+    ) -> None:
+        """Each ``publish_many`` chunk is a batch span, a child of its partition's span,
+        and every message carries a ``traceparent`` in that partition's trace."""
+        with worker_hook(spark, tmp_path, tracing=True):
+            publish_dataframe(frame(spark), spec(broker_url, spark_queue))
+        spans = read_spans(tmp_path)
+        partitions = {s["context"]["span_id"]: s for s in spans if s["name"] == "publish_partition"}
+        batches = [s for s in spans if s["attributes"].get("messaging.batch.message_count")]
+        assert len(batches) == PARTITIONS * ROWS // CHUNK
+        assert {b["attributes"]["messaging.batch.message_count"] for b in batches} == {CHUNK}
+        assert {b["parent_id"] for b in batches} == set(partitions)
+        traces = {p["context"]["trace_id"] for p in partitions.values()}
+        messages = drain_queue_sync(broker_url, spark_queue)
+        assert len(messages) == PARTITIONS * ROWS
+        assert {"0x" + m.headers["traceparent"].split("-")[1] for m in messages} == traces
+
+    def test_no_provider_in_the_workers_no_spans_no_headers(
+        self, spark: SparkSession, broker_url: str, spark_queue: str, tmp_path: Path
+    ) -> None:
+        """Workers with the API only (nothing configured): no span is exported and no
+        message gets a ``traceparent``."""
+        with worker_hook(spark, tmp_path, tracing=False):
+            report = publish_dataframe(frame(spark), spec(broker_url, spark_queue))
+        assert report.confirmed == PARTITIONS * ROWS
+        assert list(tmp_path.glob("started-*")), "the hook ran in the workers"
+        assert not list(tmp_path.glob("spans-*"))
+        messages = drain_queue_sync(broker_url, spark_queue)
+        assert len(messages) == PARTITIONS * ROWS
+        assert not [m for m in messages if "traceparent" in m.headers]
