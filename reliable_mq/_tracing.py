@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from yarl import URL
 
 try:
-    from opentelemetry import propagate, trace
+    from opentelemetry import trace
     from opentelemetry.propagators.textmap import Getter
 except ImportError:  # the otel extra is not installed: tracing stays off
     trace = None  # type: ignore[assignment]
@@ -33,13 +33,18 @@ except ImportError:  # the otel extra is not installed: tracing stays off
 __all__ = (
     "TRACEPARENT",
     "Tracing",
+    "batch_ended",
+    "batch_message",
     "consume_destination",
+    "created",
+    "linked",
     "partition_ended",
     "publish_destination",
     "publish_ended",
     "republished",
     "settled",
     "stamp_creation",
+    "start_batch",
     "start_partition",
     "start_process",
     "start_publish",
@@ -54,6 +59,15 @@ _RECHECK = 2.0
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _warned: set[str] = set()
+
+
+@functools.cache
+def _propagate() -> Any:
+    """``opentelemetry.propagate``, imported on first traced use: its import loads the
+    configured propagators (entry points), about 20 ms that an untraced process never pays."""
+    from opentelemetry import propagate  # noqa: PLC0415 (lazy on purpose, see above)
+
+    return propagate
 
 
 def _guarded(fallback: Callable[..., Any]) -> Callable[[_F], _F]:
@@ -196,7 +210,7 @@ def start_publish(
     )
     if headers is None or (isinstance(headers, Mapping) and TRACEPARENT not in headers):
         carrier: dict[str, Any] = dict(headers) if headers else {}
-        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        _propagate().inject(carrier, context=trace.set_span_in_context(span))
         headers = carrier
     return span, headers
 
@@ -223,6 +237,122 @@ def _failed(span: Any, error: BaseException) -> None:
     span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)[:300]))
 
 
+# -- publish_many ---------------------------------------------------------------------
+
+
+def _batch_fallback(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+    return None, kwargs["headers"], None
+
+
+@_guarded(_nothing)
+def start_batch(tracer: Any, url: URL | None) -> Any:
+    """Start the PRODUCER span of one ``publish_many()`` call in the current context.
+
+    Named ``publish`` until `batch_ended` knows whether every message went to one
+    destination (then ``publish {destination}``).
+    """
+    attributes: dict[str, Any] = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "publish",
+    }
+    _server(url, attributes)
+    return tracer.start_span("publish", kind=trace.SpanKind.PRODUCER, attributes=attributes)
+
+
+@_guarded(_batch_fallback)
+def batch_message(
+    tracer: Any | None,
+    batch: Any,
+    *,
+    exchange: str,
+    routing_key: str,
+    headers: Any,
+    correlation_id: Any,
+    url: URL | None,
+) -> tuple[Any, Any, Any]:
+    """Give one message of a batch its creation context, before it is encoded.
+
+    * It carries a ``traceparent``: kept as it is; its context is to be linked.
+    * Else, with a ``tracer`` (create spans on): a PRODUCER span ``create
+      {destination}`` is started in the current context (the caller's), and
+      its context goes into the headers and is to be linked.
+    * Else (create spans off): the ``batch`` span's context goes into the headers.
+
+    Returns:
+        ``(create span or None, headers, span context to link or None)``.
+    """
+    if isinstance(headers, Mapping) and TRACEPARENT in headers:
+        return None, headers, _extracted(headers)
+    if headers is not None and not isinstance(headers, Mapping):
+        return None, headers, None  # the encoder refuses them
+    carrier: dict[str, Any] = dict(headers) if headers else {}
+    if tracer is None:
+        _propagate().inject(carrier, context=trace.set_span_in_context(batch))
+        return None, carrier, None
+    destination = publish_destination(exchange, routing_key)
+    attributes: dict[str, Any] = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": "create",
+        "messaging.operation.name": "create",
+        "messaging.destination.name": destination,
+    }
+    if routing_key:
+        attributes["messaging.rabbitmq.destination.routing_key"] = routing_key
+    if correlation_id and isinstance(correlation_id, str):
+        attributes["messaging.message.conversation_id"] = correlation_id
+    _server(url, attributes)
+    span = tracer.start_span(
+        f"create {destination}", kind=trace.SpanKind.PRODUCER, attributes=attributes
+    )
+    _propagate().inject(carrier, context=trace.set_span_in_context(span))
+    return span, carrier, span.get_span_context()
+
+
+@_guarded(_nothing)
+def created(span: Any, message_id: str, error: BaseException | None) -> None:
+    """End a ``create`` span: the message is encoded (or refused with ``error``)."""
+    if message_id:
+        span.set_attribute("messaging.message.id", message_id)
+    if error is not None:
+        _failed(span, error)
+    span.end()
+
+
+@_guarded(_nothing)
+def linked(batch: Any, context: Any, message_id: str) -> None:
+    """Link the batch span to one message's creation context."""
+    batch.add_link(context, {"messaging.message.id": message_id} if message_id else None)
+
+
+@_guarded(_nothing)
+def batch_ended(
+    span: Any,
+    route: tuple[str, str] | None,
+    count: int,
+    failed: int,
+    republished: int,
+    error: BaseException | None,
+) -> None:
+    """Every outcome of the batch is known: name it, count it, end it.
+
+    ``route`` is the ``(exchange, routing key)`` of every message read, None when
+    they differed (or none was read); ``error`` what ``error.type`` names.
+    """
+    if route is not None:
+        destination = publish_destination(*route)
+        span.update_name(f"publish {destination}")
+        span.set_attribute("messaging.destination.name", destination)
+        if route[1]:
+            span.set_attribute("messaging.rabbitmq.destination.routing_key", route[1])
+    span.set_attribute("messaging.batch.message_count", count)
+    span.set_attribute("reliable_mq.batch.failed", failed)
+    span.set_attribute("reliable_mq.batch.republished", republished)
+    if error is not None:
+        _failed(span, error)
+    span.end()
+
+
 # -- process ----------------------------------------------------------------------------
 
 
@@ -240,6 +370,13 @@ class _HeaderGetter(Getter):  # type: ignore[type-arg]
 
 
 _GETTER = _HeaderGetter() if trace is not None else None
+
+
+def _extracted(headers: Mapping[str, Any]) -> Any | None:
+    """The valid span context of the ``traceparent`` in ``headers``, or None."""
+    context = trace.get_current_span(_propagate().extract(headers, getter=_GETTER))
+    span_context = context.get_span_context()
+    return span_context if span_context.is_valid else None
 
 
 @_guarded(_nothing)
@@ -277,9 +414,8 @@ def start_process(
     _server(url, attributes)
     links = None
     if TRACEPARENT in headers:
-        producer = trace.get_current_span(propagate.extract(headers, getter=_GETTER))
-        context = producer.get_span_context()
-        if context.is_valid:
+        context = _extracted(headers)
+        if context is not None:
             links = [trace.Link(context)]
     return tracer.start_span(
         f"process {destination}",

@@ -44,7 +44,8 @@ from ._publish.exchanges import ExchangeCache
 from ._publish.outgoing import Outgoing, Preparer
 from ._publish.ports import Stream, StreamEvents
 from ._publish.stream import StreamKeeper
-from ._tracing import Tracing, publish_ended, start_publish
+from ._publish.traced import BatchTrace, encode_copy_traced, encode_traced
+from ._tracing import Tracing, publish_ended
 from .connection import ConnectionSupervisor
 from .errors import (
     ClosedError,
@@ -383,26 +384,18 @@ class ReliablePublisher:
         """
         self._check_open()
         deadline_in = self._preparer.deadline_in(timeout)
-        self._seq += 1
+        seq = self._seq = self._seq + 1
         span = None
         tracer = self._tracing.tracer()
-        if tracer is not None:
-            span, headers = start_publish(
-                tracer,
-                "",
-                routing_key,
-                headers,
-                properties.get("correlation_id"),
-                self._supervisor.address.url,
-            )
-        try:
+        if tracer is None:
             message_id, encoded = self._preparer.encode_copy(
-                self._seq, body, routing_key, properties, headers
+                seq, body, routing_key, properties, headers
             )
-        except BaseException as exc:
-            if span is not None:
-                publish_ended(span, "", 0, exc)
-            raise
+        else:
+            url = self._supervisor.address.url
+            span, (message_id, encoded) = encode_copy_traced(
+                tracer, url, self._preparer, seq, body, routing_key, properties, headers
+            )
         out = self._outgoing(message_id, encoded, "", routing_key, True, deadline_in)
         out.span = span
         future: asyncio.Future[PublishResult] = asyncio.get_running_loop().create_future()
@@ -508,8 +501,20 @@ class ReliablePublisher:
         engine = self._engine
         engine.begin_batch()  # close() waits for the whole batch: its input was handed over
         try:
-            take = functools.partial(self._take, timeout=timeout, max_failures=max_failures)
-            return await run_batch(messages, take, raise_on_error=raise_on_error)
+            tracer = self._tracing.tracer()
+            trace = None
+            if tracer is not None:
+                trace = BatchTrace(
+                    tracer,
+                    self._supervisor.address.url,
+                    create_spans=self.settings.trace_create_spans,
+                )
+            take = functools.partial(
+                self._take, timeout=timeout, max_failures=max_failures, trace=trace
+            )
+            batch = Batch()
+            running = run_batch(messages, take, batch, raise_on_error=raise_on_error)
+            return await (running if trace is None else trace.run(batch, running))
         finally:
             engine.end_batch()
 
@@ -521,10 +526,11 @@ class ReliablePublisher:
         *,
         timeout: float | None,
         max_failures: int | None,
+        trace: BatchTrace | None,
     ) -> bool:
         """Read one message of a batch into flight; True when the batch must stop."""
         try:
-            out = self._prepare_message(message, timeout)
+            out = self._prepare_message(message, timeout, trace)
         except ClosedError as exc:  # close() began: the rest of the input is not read
             batch.rejected(index, getattr(message, "message_id", None) or "", exc)
             return True
@@ -590,45 +596,24 @@ class ReliablePublisher:
             raise InvalidMessage(f"unknown message option(s): {unknown}")
         deadline_in = self._preparer.deadline_in(timeout)
         self._seq += 1
+        seq, span = self._seq, None
         tracer = self._tracing.tracer()
-        if tracer is not None:
-            return self._prepare_traced(tracer, body, routing_key, exchange, deadline_in, options)
-        message_id, encoded, mandatory = self._preparer.encode(
-            self._seq, body, routing_key, exchange, **options
-        )
-        return self._outgoing(message_id, encoded, exchange, routing_key, mandatory, deadline_in)
-
-    def _prepare_traced(
-        self,
-        tracer: Any,
-        body: Any,
-        routing_key: str,
-        exchange: str,
-        deadline_in: float,
-        options: MessageOptions,
-    ) -> Outgoing:
-        """`_prepare` with a ``publish`` span: started now, its context in the headers."""
-        span, options["headers"] = start_publish(
-            tracer,
-            exchange,
-            routing_key,
-            options.get("headers"),
-            options.get("correlation_id"),
-            self._supervisor.address.url,
-        )
-        try:
+        if tracer is None:
             message_id, encoded, mandatory = self._preparer.encode(
-                self._seq, body, routing_key, exchange, **options
+                seq, body, routing_key, exchange, **options
             )
-        except BaseException as exc:
-            if span is not None:  # None: the tracer failed (logged once)
-                publish_ended(span, "", 0, exc)
-            raise
+        else:
+            url = self._supervisor.address.url
+            span, (message_id, encoded, mandatory) = encode_traced(
+                tracer, url, self._preparer, seq, body, routing_key, exchange, options
+            )
         out = self._outgoing(message_id, encoded, exchange, routing_key, mandatory, deadline_in)
         out.span = span
         return out
 
-    def _prepare_message(self, message: Any, timeout: float | None) -> Outgoing:
+    def _prepare_message(
+        self, message: Any, timeout: float | None, trace: BatchTrace | None
+    ) -> Outgoing:
         if not isinstance(message, Message):
             raise InvalidMessage(
                 f"publish_many takes Message objects, not {type(message).__name__}"
@@ -637,28 +622,13 @@ class ReliablePublisher:
             self._check_batch_open()
         deadline_in = self._preparer.deadline_in(timeout)
         self._seq += 1
-        message_id, encoded, mandatory = self._preparer.encode(
-            self._seq,
-            message.body,
-            message.routing_key,
-            message.exchange,
-            message_id=message.message_id,
-            headers=message.headers,
-            persistent=message.persistent,
-            mandatory=message.mandatory,
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            correlation_id=message.correlation_id,
-            reply_to=message.reply_to,
-            expiration=message.expiration,
-            priority=message.priority,
-            message_type=message.message_type,
-            user_id=message.user_id,
-            app_id=message.app_id,
-            timestamp=message.timestamp,
-        )
+        if trace is None:
+            encoded = self._preparer.encode_message(self._seq, message, message.headers)
+        else:
+            encoded = trace.encode(self._preparer, self._seq, message)
+        message_id, frames, mandatory = encoded
         return self._outgoing(
-            message_id, encoded, message.exchange, message.routing_key, mandatory, deadline_in
+            message_id, frames, message.exchange, message.routing_key, mandatory, deadline_in
         )
 
     def _outgoing(

@@ -269,6 +269,13 @@ class PublisherSettings(_Settings):
             "with PublishUnavailable, and new publishes fail at once until it is back"
         ),
     )
+    trace_create_spans: bool = Field(
+        default=True,
+        description=(
+            "with tracing on, publish_many() gives each message without a traceparent a "
+            "'create' span of its own; off, it gets the batch span's context"
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_backoff(self) -> PublisherSettings:

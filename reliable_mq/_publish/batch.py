@@ -83,16 +83,16 @@ class Batch:
 async def run_batch(
     messages: Iterable[Any] | AsyncIterable[Any],
     take: Callable[[Batch, int, Any], Awaitable[bool]],
+    batch: Batch,
     *,
     raise_on_error: bool,
 ) -> BatchResult:
     """Hand each message to ``take(batch, index, message)`` until it says stop; wait for
-    every outcome, and return the result.
+    every outcome (counted in ``batch``), and return the result.
 
     Raises:
         PublishBatchError: some messages failed and ``raise_on_error`` is set.
     """
-    batch = Batch()
     stopped_early = False
     try:
         if isinstance(messages, AsyncIterable):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from .._amqp.wire import FRAME_OVERHEAD, Encoded, check_timeout, encode_properties, encode_publish
 from .._codec import encode_body
 from ..errors import InvalidBody, InvalidMessage, MessageTooLarge, ReliableMQError
-from ..message import MessageOptions
+from ..message import Message, MessageOptions
 from ..settings import PublisherSettings
 
 if TYPE_CHECKING:
@@ -225,6 +225,32 @@ class Preparer:
             _not_encodable(exc)
         self._check_frame(header)
         return message_id, Encoded(method, header, payload), sticky
+
+    def encode_message(
+        self, seq: int, message: Message, headers: Mapping[str, Any] | None
+    ) -> tuple[str, Encoded, bool]:
+        """`encode` a [Message][reliable_mq.message.Message] of a batch, with ``headers``
+        instead of its own (they may carry a trace context its own do not)."""
+        return self.encode(
+            seq,
+            message.body,
+            message.routing_key,
+            message.exchange,
+            message_id=message.message_id,
+            headers=headers,
+            persistent=message.persistent,
+            mandatory=message.mandatory,
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            correlation_id=message.correlation_id,
+            reply_to=message.reply_to,
+            expiration=message.expiration,
+            priority=message.priority,
+            message_type=message.message_type,
+            user_id=message.user_id,
+            app_id=message.app_id,
+            timestamp=message.timestamp,
+        )
 
     def encode_copy(
         self,

@@ -411,13 +411,15 @@ class BlockingPublisher:
                 f"messages must be an iterable of Message, not {type(messages).__name__}"
             )
         feed: ChunkFeed[Message] = ChunkFeed(runtime.thread.loop)
-        outcome = runtime.thread.submit(
+        # The batch's task runs in a copy of this thread's context (its spans' parent).
+        outcome = contextvars.copy_context().run(
+            runtime.thread.submit,
             runtime.publisher.publish_many(
                 feed.items(),
                 timeout=timeout,
                 max_failures=max_failures,
                 raise_on_error=raise_on_error,
-            )
+            ),
         )
         try:
             feed.produce(messages, alive=lambda: not outcome.done() and runtime.thread.alive)
