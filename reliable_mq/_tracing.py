@@ -484,7 +484,7 @@ def stamp_creation(
         if not trace.get_current_span().get_span_context().is_valid:
             return headers
         carrier: dict[str, Any] = dict(headers) if headers else {}
-        propagate.inject(carrier)
+        _propagate().inject(carrier)
         return carrier
     destination = publish_destination(exchange, routing_key)
     attributes: dict[str, Any] = {
@@ -501,7 +501,7 @@ def stamp_creation(
     )
     span.end()
     carrier = dict(headers) if headers else {}
-    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    _propagate().inject(carrier, context=trace.set_span_in_context(span))
     return carrier
 
 
