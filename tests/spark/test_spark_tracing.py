@@ -75,45 +75,38 @@ def spec(url: str, queue: str) -> PublishSpec:
 @pytest.mark.spark
 @pytest.mark.rabbitmq
 class TestPartitionSpans:
-    def test_one_span_per_partition_with_its_counts(
+    def test_one_span_per_partition_around_its_batch_spans(
         self, spark: SparkSession, broker_url: str, spark_queue: str, tmp_path: Path
     ) -> None:
-        """A provider in the workers: ``publish_partition`` (INTERNAL) per partition,
-        with its index, task attempt and counts; nothing of the kind on the driver."""
+        """A provider in the workers: ``publish_partition`` (INTERNAL, a root) per
+        partition with its index, task attempt and counts; each ``publish_many`` chunk
+        is a batch span, its child; every message carries a ``traceparent`` in its
+        partition's trace. One job (a Spark job here costs seconds)."""
         with worker_hook(spark, tmp_path, tracing=True):
             report = publish_dataframe(frame(spark), spec(broker_url, spark_queue))
         assert report.confirmed == PARTITIONS * ROWS
         assert list(tmp_path.glob("started-*")), "the hook ran in the workers"
-        partitions = [s for s in read_spans(tmp_path) if s["name"] == "publish_partition"]
+        spans = read_spans(tmp_path)
+        partitions = [s for s in spans if s["name"] == "publish_partition"]
         assert len(partitions) == PARTITIONS
-        by_index = {s["attributes"]["reliable_mq.spark.partition"]: s for s in partitions}
-        assert sorted(by_index) == list(range(PARTITIONS))
+        indexes = sorted(s["attributes"]["reliable_mq.spark.partition"] for s in partitions)
+        assert indexes == list(range(PARTITIONS))
         for span in partitions:
             assert span["kind"] == "SpanKind.INTERNAL"
             assert span["parent_id"] is None
+            assert span["status"]["status_code"] == "UNSET"
             attributes = span["attributes"]
             assert attributes["reliable_mq.spark.task_attempt"] == 0
             assert attributes["reliable_mq.spark.rows"] == ROWS
             assert attributes["reliable_mq.spark.confirmed"] == ROWS
             assert attributes["reliable_mq.spark.republished"] == 0
             assert attributes["reliable_mq.spark.rounds"] == 1
-            assert span["status"]["status_code"] == "UNSET"
-        assert len(drain_queue_sync(broker_url, spark_queue)) == PARTITIONS * ROWS
-
-    def test_chunks_are_batch_spans_inside_the_partition(
-        self, spark: SparkSession, broker_url: str, spark_queue: str, tmp_path: Path
-    ) -> None:
-        """Each ``publish_many`` chunk is a batch span, a child of its partition's span,
-        and every message carries a ``traceparent`` in that partition's trace."""
-        with worker_hook(spark, tmp_path, tracing=True):
-            publish_dataframe(frame(spark), spec(broker_url, spark_queue))
-        spans = read_spans(tmp_path)
-        partitions = {s["context"]["span_id"]: s for s in spans if s["name"] == "publish_partition"}
-        batches = [s for s in spans if s["attributes"].get("messaging.batch.message_count")]
+        batches = [s for s in spans if "messaging.batch.message_count" in s["attributes"]]
         assert len(batches) == PARTITIONS * ROWS // CHUNK
+        assert {b["name"] for b in batches} == {f"publish {spark_queue}"}
         assert {b["attributes"]["messaging.batch.message_count"] for b in batches} == {CHUNK}
-        assert {b["parent_id"] for b in batches} == set(partitions)
-        traces = {p["context"]["trace_id"] for p in partitions.values()}
+        assert {b["parent_id"] for b in batches} == {p["context"]["span_id"] for p in partitions}
+        traces = {p["context"]["trace_id"] for p in partitions}
         messages = drain_queue_sync(broker_url, spark_queue)
         assert len(messages) == PARTITIONS * ROWS
         assert {"0x" + m.headers["traceparent"].split("-")[1] for m in messages} == traces
