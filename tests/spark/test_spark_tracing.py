@@ -22,10 +22,14 @@ import pytest
 pytest.importorskip("pyspark")
 
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import LongType, StructField, StructType
 
-from reliable_mq import PublisherSettings
-from reliable_mq.spark import PublishSpec, publish_dataframe
+from reliable_mq import PublisherSettings, PublishUnroutable
+from reliable_mq._tracing import Tracing
+from reliable_mq.spark import PublishSpec, plan_publish, publish_dataframe, publish_partition
+from reliable_mq.spark import _partition as partition_module
 from tests.support.amqp import drain_queue_sync
+from tests.test_tracing import Spans
 
 HOOK = Path(__file__).parent / "otel_worker"
 PARTITIONS = 3
@@ -124,3 +128,27 @@ class TestPartitionSpans:
         messages = drain_queue_sync(broker_url, spark_queue)
         assert len(messages) == PARTITIONS * ROWS
         assert not [m for m in messages if "traceparent" in m.headers]
+
+
+@pytest.mark.rabbitmq
+class TestPartitionSpanOutcome:
+    def test_a_deterministic_failure_sets_error_type(
+        self, broker_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An unroutable row stops the partition: its span has ``error.type``, ERROR
+        status and the counts so far (``publish_partition`` called outside Spark)."""
+        spans = Spans()
+        monkeypatch.setattr(partition_module, "_TRACING", Tracing(spans.provider))
+        plan = plan_publish(
+            spec(broker_url, f"no-such-queue-{id(spans)}"),
+            StructType([StructField("n", LongType())]),
+        )
+        stats = publish_partition(plan, [(n,) for n in range(5)])
+        assert isinstance(stats.error, PublishUnroutable)
+        [span] = spans.named("publish_partition")
+        attributes = dict(span.attributes or {})
+        assert attributes["error.type"] == "PublishUnroutable"
+        assert attributes["reliable_mq.spark.partition"] == 0
+        assert attributes["reliable_mq.spark.rows"] == stats.rows
+        assert attributes["reliable_mq.spark.confirmed"] == 0
+        assert span.status.status_code.name == "ERROR"
