@@ -29,7 +29,6 @@ import asyncio
 import enum
 import functools
 import secrets
-import time
 from collections.abc import AsyncIterable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -41,10 +40,11 @@ from ._publish.batch import Batch, run_batch
 from ._publish.closing import Closing, task_end
 from ._publish.engine import Engine
 from ._publish.exchanges import ExchangeCache
+from ._publish.intake import Intake
 from ._publish.outgoing import Outgoing, Preparer
 from ._publish.ports import Stream, StreamEvents
 from ._publish.stream import StreamKeeper
-from ._publish.traced import BatchTrace, encode_copy_traced, encode_traced
+from ._publish.traced import BatchTrace
 from ._tracing import Tracing, publish_ended
 from .connection import ConnectionSupervisor
 from .errors import (
@@ -57,7 +57,7 @@ from .errors import (
 )
 from .log import get_logger
 from .message import Message, MessageOptions
-from .metrics import ExchangeMetrics, Metrics, PublisherMetrics
+from .metrics import Metrics, PublisherMetrics
 from .outcomes import BatchResult, PendingPublish, PublisherStats, PublishResult
 from .settings import ConnectionSettings, PublisherSettings
 
@@ -70,7 +70,6 @@ __all__ = (
     "ReliablePublisher",
 )
 
-_OPTION_NAMES = frozenset(MessageOptions.__annotations__)
 _YIELD_EVERY = 128
 """publish_many() lets the loop run (writes, confirms) after this many messages."""
 
@@ -125,10 +124,13 @@ class ReliablePublisher:
         self._metrics = Metrics.on(registry, metrics_prefix)
         self._supervisor = ConnectionSupervisor(connection, role="publisher", metrics=self._metrics)
         self._log = get_logger(__name__).bind(connection=self._supervisor.name)
-        self._preparer = Preparer(self.settings, secrets.token_hex(8) + "-")
+        preparer = Preparer(self.settings, secrets.token_hex(8) + "-")
         self._tracing = Tracing(tracer_provider)
         self._counts: PublisherMetrics = self._metrics.for_publisher(
             self._supervisor.name, owner=self
+        )
+        self._intake = Intake(
+            preparer, self._counts, self._tracing, lambda: self._supervisor.address.url
         )
         open_timeout = connection.connect_timeout
 
@@ -141,7 +143,7 @@ class ReliablePublisher:
 
         self._engine = Engine(
             self.settings,
-            self._preparer,
+            preparer,
             exchanges=ExchangeCache(self._supervisor, open_timeout=open_timeout, log=self._log),
             link=self._supervisor,
             stream=stream,
@@ -150,11 +152,9 @@ class ReliablePublisher:
         )
         self._closing = Closing(self._engine, self._log)
         self._supervisor.on_stopped = self._io_stopped
-        self._labelled: dict[str, ExchangeMetrics] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._admitting: set[asyncio.Task[None]] = set()
         self._state = PublisherState.IDLE
-        self._seq = 0
 
     # -- life cycle ---------------------------------------------------------
 
@@ -383,21 +383,7 @@ class ReliablePublisher:
         (awaiting it unshielded, as ``publish()`` does).
         """
         self._check_open()
-        deadline_in = self._preparer.deadline_in(timeout)
-        seq = self._seq = self._seq + 1
-        span = None
-        tracer = self._tracing.tracer()
-        if tracer is None:
-            message_id, encoded = self._preparer.encode_copy(
-                seq, body, routing_key, properties, headers
-            )
-        else:
-            url = self._supervisor.address.url
-            span, (message_id, encoded) = encode_copy_traced(
-                tracer, url, self._preparer, seq, body, routing_key, properties, headers
-            )
-        out = self._outgoing(message_id, encoded, "", routing_key, True, deadline_in)
-        out.span = span
+        out = self._intake.copy(body, routing_key, properties, headers, timeout)
         future: asyncio.Future[PublishResult] = asyncio.get_running_loop().create_future()
         out.future = future
         if not self._engine.admit_now(out):
@@ -501,14 +487,7 @@ class ReliablePublisher:
         engine = self._engine
         engine.begin_batch()  # close() waits for the whole batch: its input was handed over
         try:
-            tracer = self._tracing.tracer()
-            trace = None
-            if tracer is not None:
-                trace = BatchTrace(
-                    tracer,
-                    self._supervisor.address.url,
-                    create_spans=self.settings.trace_create_spans,
-                )
+            trace = self._intake.batch_trace(self.settings.trace_create_spans)
             take = functools.partial(
                 self._take, timeout=timeout, max_failures=max_failures, trace=trace
             )
@@ -591,25 +570,7 @@ class ReliablePublisher:
         options: MessageOptions,
     ) -> Outgoing:
         self._check_open()
-        if options and not _OPTION_NAMES.issuperset(options):
-            unknown = ", ".join(sorted(set(options) - _OPTION_NAMES))
-            raise InvalidMessage(f"unknown message option(s): {unknown}")
-        deadline_in = self._preparer.deadline_in(timeout)
-        self._seq += 1
-        seq, span = self._seq, None
-        tracer = self._tracing.tracer()
-        if tracer is None:
-            message_id, encoded, mandatory = self._preparer.encode(
-                seq, body, routing_key, exchange, **options
-            )
-        else:
-            url = self._supervisor.address.url
-            span, (message_id, encoded, mandatory) = encode_traced(
-                tracer, url, self._preparer, seq, body, routing_key, exchange, options
-            )
-        out = self._outgoing(message_id, encoded, exchange, routing_key, mandatory, deadline_in)
-        out.span = span
-        return out
+        return self._intake.message(body, routing_key, exchange, timeout, options)
 
     def _prepare_message(
         self, message: Any, timeout: float | None, trace: BatchTrace | None
@@ -620,41 +581,7 @@ class ReliablePublisher:
             )
         if self._state is not PublisherState.OPEN:
             self._check_batch_open()
-        deadline_in = self._preparer.deadline_in(timeout)
-        self._seq += 1
-        if trace is None:
-            encoded = self._preparer.encode_message(self._seq, message, message.headers)
-        else:
-            encoded = trace.encode(self._preparer, self._seq, message)
-        message_id, frames, mandatory = encoded
-        return self._outgoing(
-            message_id, frames, message.exchange, message.routing_key, mandatory, deadline_in
-        )
-
-    def _outgoing(
-        self,
-        message_id: str,
-        encoded: Any,
-        exchange: str,
-        routing_key: str,
-        mandatory: bool,
-        deadline_in: float,
-    ) -> Outgoing:
-        counts = self._labelled.get(exchange)
-        if counts is None:
-            counts = self._labelled[exchange] = self._counts.for_exchange(exchange)
-        counts.published += 1
-        return Outgoing(
-            self._seq,
-            message_id,
-            encoded,
-            exchange,
-            routing_key,
-            mandatory,
-            asyncio.get_running_loop().time() + deadline_in,
-            time.monotonic(),
-            counts,
-        )
+        return self._intake.batch_message(message, timeout, trace)
 
     # -- the periodic sweep -----------------------------------------------------------
 

@@ -7,6 +7,7 @@ As in ``tests/test_tracing.py``, every test passes its own SDK ``TracerProvider`
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -23,8 +24,10 @@ from reliable_mq._publish import batch as batch_module
 from reliable_mq._publish.traced import MAX_LINKS
 from reliable_mq.errors import PublishBatchError
 from reliable_mq.message import Message
+from reliable_mq.testing import TCPProxy
+from tests.conftest import proxied_url
 from tests.support.amqp import drain_queue
-from tests.test_tracing import Spans, connection, traceparent
+from tests.test_tracing import Spans, _BrokenProvider, connection, fast, traceparent
 
 GIVEN = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 """A ``traceparent`` set by the caller (an outbox row, another service)."""
@@ -294,6 +297,54 @@ class TestBatchSpan:
                 ]
             )
         assert [m.headers for m in await drain_queue(broker_url, queue)] == [{}, {"t": 1}]
+
+    async def test_republishes_are_counted_on_the_one_batch_span(
+        self, broker_url: str, queue: str, spans: Spans
+    ) -> None:
+        """Messages lost with their connection and sent again: one batch span, ended after
+        their confirms, with the republish count; the create spans stay one per message."""
+        async with TCPProxy("127.0.0.1", 5672) as proxy:
+            async with ReliablePublisher(
+                connection(proxied_url(proxy)),
+                settings=fast(),
+                registry=CollectorRegistry(),
+                tracer_provider=spans.provider,
+            ) as mq:
+                proxy.set_blackhole(True)  # the first attempts go nowhere: never confirmed
+                messages = [Message(b"x", routing_key=queue) for _ in range(3)]
+                sending = asyncio.ensure_future(mq.publish_many(messages))
+                done, _ = await asyncio.wait({sending}, timeout=0.2)
+                assert not done
+                proxy.set_blackhole(False)
+                await proxy.cut()
+                result = await asyncio.wait_for(sending, 30)
+        assert result.confirmed == 3 and result.republished >= 3
+        batch = the_batch(spans)
+        assert (batch.attributes or {})["reliable_mq.batch.republished"] == result.republished
+        assert batch.status.status_code is StatusCode.UNSET
+        assert len(spans.named("create ")) == 3
+        received = await drain_queue(broker_url, queue)
+        creates = {traceparent(span) for span in spans.named("create ")}
+        assert {m.headers["traceparent"] for m in received} == creates
+
+    async def test_a_raising_tracer_never_breaks_a_batch(self, broker_url: str, queue: str) -> None:
+        """A tracer that raises: logged once (``tracing_failed``), the batch is published
+        as without tracing, headers untouched."""
+        import structlog
+
+        with structlog.testing.capture_logs() as logs:
+            async with ReliablePublisher(
+                connection(broker_url),
+                registry=CollectorRegistry(),
+                tracer_provider=_BrokenProvider(),
+            ) as mq:
+                for _ in range(2):
+                    result = await mq.publish_many(
+                        [Message(b"x", routing_key=queue, headers={"t": n}) for n in range(2)]
+                    )
+                    assert result.confirmed == 2
+        assert [m.headers for m in await drain_queue(broker_url, queue)] == [{"t": 0}, {"t": 1}] * 2
+        assert [e["call"] for e in logs if e["event"] == "tracing_failed"] == ["start_batch"]
 
 
 @pytest.mark.rabbitmq
