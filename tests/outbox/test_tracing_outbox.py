@@ -172,12 +172,22 @@ def span_links(span: ReadableSpan) -> list[tuple[int, int]]:
 
 @pytest.mark.rabbitmq
 class TestOutboxTrace:
+    @pytest.mark.parametrize("create_span", [False, True], ids=["request-context", "create-span"])
     async def test_one_trace_from_the_request_to_the_consumer(
-        self, pg: PrivatePostgres, table: str, broker_url: str, spans: Spans
+        self,
+        pg: PrivatePostgres,
+        table: str,
+        broker_url: str,
+        spans: Spans,
+        monkeypatch: pytest.MonkeyPatch,
+        create_span: bool,
     ) -> None:
         """HTTP request → ``add()`` in its transaction → commit → relay → consumer: the row
-        holds the request's context; the relay's batch span and the consumer's process span
-        link to it, so both lead back to the request's trace."""
+        holds the request's context (or, with a global provider, its ``create`` span's);
+        the relay's batch span and the consumer's process span link to that context, in
+        the request's trace."""
+        if create_span:
+            monkeypatch.setattr(writer, "_TRACING", Tracing(spans.provider))
         queue = f"test-outbox-trace-{uuid.uuid4().hex[:10]}"
         consumer = ReliableConsumer(
             connection(broker_url), registry=CollectorRegistry(), tracer_provider=spans.provider
@@ -192,8 +202,6 @@ class TestOutboxTrace:
             async with consumer:
                 with request_span(spans):
                     headers = await add_one(pg.dsn, table, routing_key=queue, message_id="e-1")
-                [request] = spans.named("HTTP request")
-                assert headers == {"traceparent": traceparent(request)}
                 relay = OutboxRelay(
                     pg.dsn,
                     connection(broker_url),
@@ -210,16 +218,22 @@ class TestOutboxTrace:
             async with link:
                 channel = await link.channel()
                 await delete_topology(channel, consumer.topology(queue))
-        request_context = ids_of(request)
+        [request] = spans.named("HTTP request")
+        stored = spans.named("create ")[0] if create_span else request
+        assert len(spans.named("create ")) == int(create_span), "the relay makes no create span"
+        assert headers == {"traceparent": traceparent(stored)}
+        context = ids_of(stored)
+        assert context[0] == ids_of(request)[0], "in the request's trace"
         [delivered] = handled
-        assert delivered == traceparent(request), "the same context reached the consumer"
+        assert delivered == traceparent(stored), "the same context reached the consumer"
         [process] = spans.named("process ")
         assert process.kind is SpanKind.CONSUMER
-        assert span_links(process) == [request_context]
+        assert span_links(process) == [context]
         publishes = [s for s in spans.named("publish") if s.kind is SpanKind.PRODUCER]
-        assert publishes, "the relay's publish_many made a batch span"
-        linked = [s for s in publishes if request_context in span_links(s)]
-        assert len(linked) == 1, "the relay's batch span links to the request's context"
-        [batch] = linked
+        assert len(publishes) == 1, "one batch span for the relay's one batch"
+        [batch] = publishes
+        assert batch.name == f"publish {queue}"
+        assert span_links(batch) == [context], "the relay's batch span links to the row's context"
+        assert batch.links[0].attributes == {"messaging.message.id": "e-1"}
         assert batch.attributes is not None
         assert batch.attributes["messaging.batch.message_count"] == 1
