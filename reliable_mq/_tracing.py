@@ -38,11 +38,14 @@ __all__ = (
     "consume_destination",
     "created",
     "linked",
+    "partition_ended",
     "publish_destination",
     "publish_ended",
     "republished",
     "settled",
+    "stamp_creation",
     "start_batch",
+    "start_partition",
     "start_process",
     "start_publish",
     "use_span",
@@ -443,3 +446,86 @@ def use_span(span: Any) -> Any:
     return trace.use_span(
         span, end_on_exit=True, record_exception=False, set_status_on_exception=False
     )
+
+
+# -- outbox and Spark -------------------------------------------------------------------
+
+
+def _headers_unchanged(tracing: Tracing, headers: Any, *args: Any, **kwargs: Any) -> Any:
+    return headers
+
+
+@_guarded(_headers_unchanged)
+def stamp_creation(
+    tracing: Tracing,
+    headers: Mapping[str, Any] | None,
+    *,
+    exchange: str,
+    routing_key: str,
+    message_id: str,
+) -> Mapping[str, Any] | None:
+    """The caller's context, written into an outbox row's headers (``outbox.add()``).
+
+    With a tracer from ``tracing``: a PRODUCER ``create {destination}`` span, a
+    child of the current span, ended at once; its context goes into the headers
+    (the message's own creation context, as the conventions ask of a message
+    sent later in a batch). Without one, but with a valid current span (from
+    any provider): that span's context. Through the global propagator, and
+    only if ``headers`` carry no ``traceparent`` yet.
+
+    Returns:
+        New headers with ``traceparent`` (and ``tracestate``...), or ``headers``
+        themselves when there is nothing to add.
+    """
+    if trace is None or (headers is not None and TRACEPARENT in headers):
+        return headers
+    tracer = tracing.tracer()
+    if tracer is None:
+        if not trace.get_current_span().get_span_context().is_valid:
+            return headers
+        carrier: dict[str, Any] = dict(headers) if headers else {}
+        _propagate().inject(carrier)
+        return carrier
+    destination = publish_destination(exchange, routing_key)
+    attributes: dict[str, Any] = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": "create",
+        "messaging.operation.name": "create",
+        "messaging.destination.name": destination,
+        "messaging.message.id": message_id,
+    }
+    if routing_key:
+        attributes["messaging.rabbitmq.destination.routing_key"] = routing_key
+    span = tracer.start_span(
+        f"create {destination}", kind=trace.SpanKind.PRODUCER, attributes=attributes
+    )
+    span.end()
+    carrier = dict(headers) if headers else {}
+    _propagate().inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
+@_guarded(_nothing)
+def start_partition(tracer: Any, partition: int, task_attempt: int, batch_id: int | None) -> Any:
+    """Start an INTERNAL span ``publish_partition`` for one Spark partition on an
+    executor; the publisher's batch spans of its chunks are its children."""
+    attributes: dict[str, Any] = {
+        "messaging.system": "rabbitmq",
+        "reliable_mq.spark.partition": partition,
+        "reliable_mq.spark.task_attempt": task_attempt,
+    }
+    if batch_id is not None:
+        attributes["reliable_mq.spark.batch_id"] = batch_id
+    return tracer.start_span(
+        "publish_partition", kind=trace.SpanKind.INTERNAL, attributes=attributes
+    )
+
+
+@_guarded(_nothing)
+def partition_ended(span: Any, counts: Mapping[str, int], error: BaseException | None) -> None:
+    """What the partition did (``reliable_mq.spark.rows``, ``.confirmed``...), and
+    the error that stopped it; the span itself ends with ``use_span``."""
+    for name, value in counts.items():
+        span.set_attribute(f"reliable_mq.spark.{name}", value)
+    if error is not None:
+        _failed(span, error)

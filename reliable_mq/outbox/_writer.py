@@ -35,6 +35,7 @@ from typing import Any
 
 from .._codec import encode_body
 from .._publish import encode_headers
+from .._tracing import Tracing, stamp_creation
 from ..errors import InvalidMessage, MessageTooLarge
 from ._json import headers_json
 from ._schema import DEFAULT_TABLE, Dialect, check_table_name
@@ -44,6 +45,9 @@ __all__ = ("DEFAULT_MAX_BODY", "add", "add_sync")
 
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
 """Bytes; a bigger encoded body is refused by ``add()`` (``max_body`` raises or lowers it)."""
+
+_TRACING = Tracing()
+"""The global tracer provider, for the ``create`` span of a row (looked at every 2 s)."""
 
 _COLUMNS = ("message_id", "exchange", "routing_key", "ordering_key", "body", "properties")
 _PG_TYPES = ("text", "text", "text", "text", "bytea", "jsonb")
@@ -112,7 +116,9 @@ async def add(
             other, in commit order; ``None``: no order is kept.
         headers: AMQP headers (JSON values: str, int, float, bool, None, lists, maps).
             Each value keeps its type through storage: a float is published
-            as a float (``1e19`` too), an int as an int.
+            as a float (``1e19`` too), an int as an int. With OpenTelemetry
+            tracing on, the caller's trace context is added as a W3C
+            ``traceparent`` (and ``tracestate``), unless one is given.
         content_type: overrides the type inferred from the body (``""`` is sent
             as an empty content type).
         content_encoding: the AMQP ``content-encoding`` property (``"gzip"``...).
@@ -293,6 +299,12 @@ def _prepare(
         if not isinstance(headers, Mapping) or not all(isinstance(k, str) for k in headers):
             raise InvalidMessage("headers must be a mapping with str keys")
         encode_headers(headers)  # what AMQP cannot carry is refused here, not dead at publish
+    # The caller's trace context (a W3C traceparent), so the relay and the
+    # consumer link back to the request that wrote the row.
+    headers = stamp_creation(
+        _TRACING, headers, exchange=exchange, routing_key=routing_key, message_id=message_id
+    )
+    if headers is not None:
         fields.append('"headers":' + headers_json(headers))
     encoded = "{" + ",".join(fields) + "}"
     if "\\u0000" in encoded:

@@ -41,6 +41,7 @@ from ..errors import (
     BrokerUnavailable,
     ClosedError,
     InvalidMessage,
+    InvalidSettings,
     MessageTooLarge,
     PublishAborted,
     PublishError,
@@ -178,6 +179,12 @@ class OutboxRelay:
         registry: the Prometheus registry for metrics (default: the global one).
         metrics_prefix: the metric name prefix.
         on_dispatched: called with each batch's confirmed rows after their commit.
+        tracer_provider: an OpenTelemetry ``TracerProvider`` for the spans of a
+            publisher the relay makes (a publisher you pass keeps its own);
+            None: the global provider.
+
+    Raises:
+        InvalidSettings: ``tracer_provider`` given with a ``ReliablePublisher``.
     """
 
     def __init__(
@@ -192,6 +199,7 @@ class OutboxRelay:
         registry: CollectorRegistry | None = None,
         metrics_prefix: str = "reliable_mq",
         on_dispatched: Observer | None = None,
+        tracer_provider: Any | None = None,
     ) -> None:
         self.settings = settings if settings is not None else RelaySettings()
         self.table = check_table_name(table)
@@ -203,6 +211,11 @@ class OutboxRelay:
         """Lane 0: also listens, measures the backlog and cleans up."""
         self._own_publisher = not isinstance(publisher, ReliablePublisher)
         if isinstance(publisher, ReliablePublisher):
+            if tracer_provider is not None:
+                raise InvalidSettings(
+                    "OutboxRelay",
+                    [("tracer_provider", "is for a publisher the relay makes: give it to yours")],
+                )
             self._publisher = publisher
         else:
             connection = ConnectionSettings.of(publisher)
@@ -211,6 +224,7 @@ class OutboxRelay:
                 settings=publisher_settings,
                 registry=registry,
                 metrics_prefix=metrics_prefix,
+                tracer_provider=tracer_provider,
             )
         metrics = Metrics.on(registry, metrics_prefix)
         self._counts = metrics.for_outbox(self.table, owner=self)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from pyspark import TaskContext
 
 from .._sync import run_sync
+from .._tracing import Tracing, partition_ended, start_partition, use_span
 from ..errors import (
     BrokerUnavailable,
     InvalidMessage,
@@ -122,15 +123,26 @@ def publish_partition(
 
 
 _END = object()
+_TRACING = Tracing()
+"""The executor's global tracer provider: a span per partition only where one is set."""
 
 
 class _Counters:
-    __slots__ = ("confirmed", "republished", "rows")
+    __slots__ = ("confirmed", "republished", "rounds", "rows")
 
     def __init__(self) -> None:
         self.rows = 0
         self.confirmed = 0
         self.republished = 0
+        self.rounds = 0
+
+    def as_attributes(self) -> dict[str, int]:
+        return {
+            "rows": self.rows,
+            "confirmed": self.confirmed,
+            "republished": self.republished,
+            "rounds": self.rounds,
+        }
 
 
 @dataclass(slots=True)
@@ -160,9 +172,32 @@ class _Outcome:
 async def _publish_partition(
     plan: PublishPlan, rows: Iterable[Any], task: TaskInfo, started: float
 ) -> PartitionStats:
+    """The partition's rounds, inside a ``publish_partition`` span when the
+    executor has a tracer provider (the chunks' batch spans are its children)."""
+    counters = _Counters()
+    tracer = _TRACING.tracer()
+    span = (
+        None
+        if tracer is None
+        else start_partition(tracer, task.partition, task.attempt, task.batch_id)
+    )
+    if span is None:
+        return await _rounds(plan, rows, task, started, counters)
+    with use_span(span):
+        try:
+            stats = await _rounds(plan, rows, task, started, counters)
+        except BaseException as exc:
+            partition_ended(span, counters.as_attributes(), exc)
+            raise
+        partition_ended(span, counters.as_attributes(), stats.error)
+        return stats
+
+
+async def _rounds(
+    plan: PublishPlan, rows: Iterable[Any], task: TaskInfo, started: float, counters: _Counters
+) -> PartitionStats:
     spec = plan.spec
     encoder = RowEncoder(plan, task)
-    counters = _Counters()
 
     def prepared() -> Iterator[Prepared]:
         for row in rows:
@@ -178,6 +213,7 @@ async def _publish_partition(
     rounds = 0
     while True:
         rounds += 1
+        counters.rounds = rounds
         outcome = _Outcome()
         try:
             async with ReliablePublisher(
