@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from ._extras import missing_extra
 from ._version import __version__
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from yarl import URL
 
 try:
+    from opentelemetry import context as otel_context
     from opentelemetry import propagate, trace
     from opentelemetry.propagators.textmap import Getter
 except ImportError:  # the otel extra is not installed: tracing stays off
@@ -31,12 +32,17 @@ except ImportError:  # the otel extra is not installed: tracing stays off
     Getter = object  # type: ignore[assignment,misc]
 
 __all__ = (
+    "CHANNEL_CLOSED",
+    "MAX_SETTLE_LINKS",
     "TRACEPARENT",
+    "TRACESTATE",
+    "SettleTrace",
     "Tracing",
     "consume_destination",
     "publish_destination",
     "publish_ended",
     "republished",
+    "settle_frame",
     "settled",
     "start_process",
     "start_publish",
@@ -45,6 +51,8 @@ __all__ = (
 
 TRACEPARENT = "traceparent"
 """The W3C trace-context header: present, it is kept (a copy keeps its creation context)."""
+TRACESTATE = "tracestate"
+"""The W3C header that goes with it (vendor state): kept on every copy too."""
 
 _RECHECK = 2.0
 """Seconds between two looks at the global tracer provider (it may be set late)."""
@@ -252,10 +260,15 @@ def start_process(
     delivery_tag: int,
     attempt: int,
     url: URL | None,
+    parent_from_message: bool = False,
 ) -> Any:
     """Start a CONSUMER span ``process {destination}`` in the current context, linked
     to the producer's context found in ``headers`` (a link, not a parent: the
-    message may be processed long after, in another trace)."""
+    message may be processed long after, in another trace).
+
+    ``parent_from_message``: the producer's context is the parent instead (still
+    linked, as the conventions ask; a span current here is linked too).
+    """
     destination = consume_destination(exchange, routing_key, queue)
     attributes: dict[str, Any] = {
         "messaging.system": "rabbitmq",
@@ -273,13 +286,20 @@ def start_process(
         attributes["messaging.message.conversation_id"] = correlation_id
     _server(url, attributes)
     links = None
+    parent = None
     if TRACEPARENT in headers:
-        producer = trace.get_current_span(propagate.extract(headers, getter=_GETTER))
-        context = producer.get_span_context()
-        if context.is_valid:
-            links = [trace.Link(context)]
+        extracted = propagate.extract(headers, getter=_GETTER)
+        producer = trace.get_current_span(extracted).get_span_context()
+        if producer.is_valid:
+            links = [trace.Link(producer)]
+            if parent_from_message:
+                parent = extracted
+                ambient = trace.get_current_span().get_span_context()
+                if ambient.is_valid:
+                    links.append(trace.Link(ambient))
     return tracer.start_span(
         f"process {destination}",
+        context=parent,
         kind=trace.SpanKind.CONSUMER,
         attributes=attributes,
         links=links,
@@ -307,3 +327,88 @@ def use_span(span: Any) -> Any:
     return trace.use_span(
         span, end_on_exit=True, record_exception=False, set_status_on_exception=False
     )
+
+
+# -- settle -----------------------------------------------------------------------------
+
+CHANNEL_CLOSED = "channel_closed"
+"""``error.type`` of a settle span whose frame never reached the broker: the channel
+was gone first (the broker requeues the delivery)."""
+
+MAX_SETTLE_LINKS = 128
+"""Links a batched ack's span gets at most (the SDK's default span link limit)."""
+
+
+class SettleTrace(NamedTuple):
+    """One delivery's settle, decided and waiting for its frame (made only when traced).
+
+    No span is open while it waits: the settle span is recorded once the frame is
+    written or known lost (`settle_frame`), started at ``decided``.
+    """
+
+    process: Any
+    """The delivery's ``process`` span."""
+    decided: int
+    """When the settle was decided (``time.time_ns()``)."""
+    destination: str
+    """The process span's destination."""
+    queue: str
+    settle: str
+    """How it is settled (``reliable_mq.settle``: ``ack``, ``retry``, ``reject``...)."""
+    tag: int
+    message_id: str
+
+
+@_guarded(_nothing)
+def settle_frame(
+    tracer: Any,
+    operation: str,
+    traces: Sequence[SettleTrace],
+    count: int,
+    frame_tag: int,
+    url: URL | None,
+    error: str | None,
+) -> None:
+    """Record one settle frame as a CLIENT span ``{operation} {destination}``, from the
+    first decision it carries out to now (the frame written, or ``error``).
+
+    One delivery: a child of its process span. A batched ack (``count`` > 1): a
+    root span with ``messaging.batch.message_count`` and a link to the process
+    span of each traced delivery it covers (at most `MAX_SETTLE_LINKS`).
+    """
+    first = traces[0]
+    batch = count > 1
+    settles = {t.settle for t in traces}
+    destinations = {t.destination for t in traces}
+    destination = first.destination if len(destinations) == 1 else first.queue
+    attributes: dict[str, Any] = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": "settle",
+        "messaging.operation.name": operation,
+        "messaging.destination.name": destination,
+        "messaging.rabbitmq.message.delivery_tag": frame_tag,
+    }
+    if len(settles) == 1:
+        attributes["reliable_mq.settle"] = first.settle
+    _server(url, attributes)
+    if batch:
+        attributes["messaging.batch.message_count"] = count
+        parent = otel_context.Context()  # a root: it belongs to no one delivery's trace
+        links = [trace.Link(t.process.get_span_context()) for t in traces[:MAX_SETTLE_LINKS]]
+    else:
+        if first.message_id:
+            attributes["messaging.message.id"] = first.message_id
+        parent = trace.set_span_in_context(first.process)
+        links = None
+    span = tracer.start_span(
+        f"{operation} {destination}",
+        context=parent,
+        kind=trace.SpanKind.CLIENT,
+        attributes=attributes,
+        links=links,
+        start_time=min(t.decided for t in traces),
+    )
+    if error is not None:
+        span.set_attribute("error.type", error)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+    span.end()
