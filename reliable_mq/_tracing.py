@@ -43,6 +43,7 @@ __all__ = (
     "publish_ended",
     "republished",
     "settle_frame",
+    "settle_trace",
     "settled",
     "start_process",
     "start_publish",
@@ -357,6 +358,14 @@ class SettleTrace(NamedTuple):
     """How it is settled (``reliable_mq.settle``: ``ack``, ``retry``, ``reject``...)."""
     tag: int
     message_id: str
+
+
+def settle_trace(
+    process: Any, decided: int, delivery: Any, queue: str, settle: str, tag: int
+) -> SettleTrace:
+    """The `SettleTrace` of ``delivery`` (a `reliable_mq.delivery.Delivery`) from ``queue``."""
+    destination = consume_destination(delivery.exchange, delivery.routing_key, queue)
+    return SettleTrace(process, decided, destination, queue, str(settle), tag, delivery.message_id)
 
 
 @_guarded(_nothing)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from .._amqp import ConsumeChannel as Channel
 from .._amqp.faults import Fault, FaultKind, classify, consumer_timeout_of
-from .._tracing import SettleTrace, consume_destination, settled
+from .._tracing import SettleTrace, settle_trace, settled
 from ..delivery import Delivery, Settle
 from ..errors import ClosedError
 from ..handlers import HandlerSpec, Reject, Retry
@@ -161,8 +161,7 @@ class Ticket:
         self.for_broker = False
         self.span: Any = None
         """Its ``process`` span (None: tracing is off)."""
-        self.decided: int
-        """When its settle was decided (``time.time_ns()``; set only with a span)."""
+        self.decided: int  # when its settle was decided (time_ns), set only if it has a span
 
     @property
     def outcome(self) -> Settle | None:
@@ -306,7 +305,7 @@ class Session(Frames):
             )
             shared.set_consumer_timeout(limit)
         unacked = sorted(
-            (t for t in self.inflight.values() if _unacked(self.tracker.state(t.tag))),
+            (t for t in self.inflight.values() if TagState.unacked(self.tracker.state(t.tag))),
             key=lambda t: t.tag,
         )
         for index, ticket in enumerate(unacked):
@@ -458,8 +457,7 @@ class Session(Frames):
                 assert copy is not None
                 route.copy_published(delivery)
                 self._copied(delivery, decision, copy)
-                trace = None if ticket.span is None else self._trace(ticket, purpose)
-                if not await self.ack_now(ticket.tag, trace):
+                if not await self.ack_now(ticket.tag, self._trace(ticket, purpose)):
                     self._ack_lost(delivery)  # its return must not make a second copy
                 return purpose
             if self.dead():
@@ -485,8 +483,9 @@ class Session(Frames):
         if rung is Rung.BROKER_DEAD_LETTER:
             route.metrics.dead_lettered += 1
             route.metrics.dead_letter_reason(decision.reason or UNPUBLISHABLE_COPY)
-            trace = None if ticket.span is None else self._trace(ticket, Settle.DEAD_LETTER)
-            await self.nack(ticket.tag, requeue=False, trace=trace)
+            await self.nack(
+                ticket.tag, requeue=False, trace=self._trace(ticket, Settle.DEAD_LETTER)
+            )
             return Settle.DEAD_LETTER
         await self._requeue_later(ticket)
         return Settle.REQUEUE
@@ -552,8 +551,7 @@ class Session(Frames):
         self.route.metrics.requeued += 1
         if delay:
             await asyncio.sleep(delay)
-        trace = None if ticket.span is None else self._trace(ticket, Settle.REQUEUE)
-        await self.nack(ticket.tag, requeue=True, trace=trace)
+        await self.nack(ticket.tag, requeue=True, trace=self._trace(ticket, Settle.REQUEUE))
 
     async def _last_resort(self, ticket: Ticket) -> Settle:
         try:
@@ -574,27 +572,16 @@ class Session(Frames):
         if self.dead():
             self.stale(1)
             return Settle.STALE
-        trace = None if ticket.span is None else self._trace(ticket, Settle.REQUEUE)
-        self.spawn(self.nack(ticket.tag, requeue=True, trace=trace))
+        self.spawn(self.nack(ticket.tag, requeue=True, trace=self._trace(ticket, Settle.REQUEUE)))
         return Settle.REQUEUE
 
-    def _trace(self, ticket: Ticket, settle: Settle) -> SettleTrace:
-        """What the settle span of ``ticket``'s frame needs (it has a process span)."""
-        delivery, queue = ticket.delivery, self.route.spec.queue
-        return SettleTrace(
-            ticket.span,
-            ticket.decided,
-            consume_destination(delivery.exchange, delivery.routing_key, queue),
-            queue,
-            str(settle),
-            ticket.tag,
-            delivery.message_id,
+    def _trace(self, ticket: Ticket, settle: Settle) -> SettleTrace | None:
+        """What the settle span of ``ticket``'s frame needs; None: not traced."""
+        if ticket.span is None:
+            return None
+        return settle_trace(
+            ticket.span, ticket.decided, ticket.delivery, self.route.spec.queue, settle, ticket.tag
         )
-
-
-def _unacked(state: TagState | None) -> bool:
-    """Unacked on the broker: in progress, or finished with its ack still batched."""
-    return state is TagState.IN_PROGRESS or state is TagState.ACK_PENDING
 
 
 def _waiting_for(ticket: Ticket, state: TagState | None) -> str:
