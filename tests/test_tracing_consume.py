@@ -275,6 +275,32 @@ class TestSettleSpans:
         assert (nack.attributes or {})["reliable_mq.settle"] == "requeue"
         assert (process.attributes or {})["reliable_mq.settle"] == "requeue"
 
+    async def test_a_handler_cut_by_its_timeout_is_retried_with_an_ack_span(
+        self, consumers: ConsumerEnv, spans: Spans
+    ) -> None:
+        """``handler_timeout`` cuts the first run: its retry copy is published and the
+        original acked (an ``ack`` span, settle retry); its process span ends, with
+        the timeout's ``error.type``."""
+        consumer = consumers.consumer(handler_timeout=0.3, retry_delays=(0.1,))
+
+        @consumer.handler(consumers.queue)
+        async def handle(body: bytes, delivery: Delivery) -> None:
+            if delivery.attempt == 1:
+                await asyncio.sleep(30)
+
+        async with consumer:
+            await publish(consumers, None, "slow")
+            await wait_until(lambda: len(spans.named("process ")) == 2, timeout=15)
+        first = next(
+            p for p in spans.named("process ") if (p.attributes or {})["reliable_mq.attempt"] == 1
+        )
+        assert first.attributes is not None
+        assert first.attributes["reliable_mq.outcome"] == "timed_out"
+        assert first.status.status_code is StatusCode.ERROR
+        [ack] = [s for s in settles(spans) if parent_of(s) == ids_of(first)]
+        assert ack.name == f"ack {consumers.queue}"
+        assert (ack.attributes or {})["reliable_mq.settle"] == "retry"
+
 
 @pytest.mark.rabbitmq
 class TestParentMode:
