@@ -1,4 +1,4 @@
-"""OpenTelemetry spans for publish and process, and the W3C trace context in headers.
+"""OpenTelemetry spans for publish, process and settle, and the W3C trace context in headers.
 
 The only module that imports ``opentelemetry`` (the ``otel`` extra: the API
 alone). Without it, or without a real tracer provider, tracing is off and costs
