@@ -1,4 +1,4 @@
-"""OpenTelemetry spans for publish and process, and the W3C trace context in headers.
+"""OpenTelemetry spans for publish, process and settle, and the W3C trace context in headers.
 
 The only module that imports ``opentelemetry`` (the ``otel`` extra: the API
 alone). Without it, or without a real tracer provider, tracing is off and costs
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from ._extras import missing_extra
 from ._version import __version__
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from yarl import URL
 
 try:
+    from opentelemetry import context as otel_context
     from opentelemetry import trace
     from opentelemetry.propagators.textmap import Getter
 except ImportError:  # the otel extra is not installed: tracing stays off
@@ -31,7 +32,11 @@ except ImportError:  # the otel extra is not installed: tracing stays off
     Getter = object  # type: ignore[assignment,misc]
 
 __all__ = (
+    "CHANNEL_CLOSED",
+    "MAX_SETTLE_LINKS",
     "TRACEPARENT",
+    "TRACESTATE",
+    "SettleTrace",
     "Tracing",
     "batch_ended",
     "batch_message",
@@ -42,6 +47,8 @@ __all__ = (
     "publish_destination",
     "publish_ended",
     "republished",
+    "settle_frame",
+    "settle_trace",
     "settled",
     "stamp_creation",
     "start_batch",
@@ -53,6 +60,8 @@ __all__ = (
 
 TRACEPARENT = "traceparent"
 """The W3C trace-context header: present, it is kept (a copy keeps its creation context)."""
+TRACESTATE = "tracestate"
+"""The W3C header that goes with it (vendor state): kept on every copy too."""
 
 _RECHECK = 2.0
 """Seconds between two looks at the global tracer provider (it may be set late)."""
@@ -392,10 +401,16 @@ def start_process(
     delivery_tag: int,
     attempt: int,
     url: URL | None,
+    parent_from_message: bool = False,
 ) -> Any:
-    """Start a CONSUMER span ``process {destination}`` in the current context, linked
-    to the producer's context found in ``headers`` (a link, not a parent: the
-    message may be processed long after, in another trace)."""
+    """Start a CONSUMER span ``process {destination}``, a root linked to the producer's
+    context found in ``headers`` (a link, not a parent: the message may be processed
+    long after, in another trace; the context current here is only the consumer's
+    start-up, which is no delivery's parent).
+
+    ``parent_from_message``: the producer's context is the parent instead (still
+    linked, as the conventions ask; a span current here is linked too).
+    """
     destination = consume_destination(exchange, routing_key, queue)
     attributes: dict[str, Any] = {
         "messaging.system": "rabbitmq",
@@ -413,12 +428,20 @@ def start_process(
         attributes["messaging.message.conversation_id"] = correlation_id
     _server(url, attributes)
     links = None
+    parent = otel_context.Context()  # a root: the context current here is the consumer's
     if TRACEPARENT in headers:
-        context = _extracted(headers)
-        if context is not None:
-            links = [trace.Link(context)]
+        extracted = _propagate().extract(headers, getter=_GETTER)
+        producer = trace.get_current_span(extracted).get_span_context()
+        if producer.is_valid:
+            links = [trace.Link(producer)]
+            if parent_from_message:
+                parent = extracted
+                ambient = trace.get_current_span().get_span_context()
+                if ambient.is_valid:
+                    links.append(trace.Link(ambient))
     return tracer.start_span(
         f"process {destination}",
+        context=parent,
         kind=trace.SpanKind.CONSUMER,
         attributes=attributes,
         links=links,
@@ -529,3 +552,96 @@ def partition_ended(span: Any, counts: Mapping[str, int], error: BaseException |
         span.set_attribute(f"reliable_mq.spark.{name}", value)
     if error is not None:
         _failed(span, error)
+
+
+# -- settle -----------------------------------------------------------------------------
+
+CHANNEL_CLOSED = "channel_closed"
+"""``error.type`` of a settle span whose frame never reached the broker: the channel
+was gone first (the broker requeues the delivery)."""
+
+MAX_SETTLE_LINKS = 128
+"""Links a batched ack's span gets at most (the SDK's default span link limit)."""
+
+
+class SettleTrace(NamedTuple):
+    """One delivery's settle, decided and waiting for its frame (made only when traced).
+
+    No span is open while it waits: the settle span is recorded once the frame is
+    written or known lost (`settle_frame`), started at ``decided``.
+    """
+
+    process: Any
+    """The delivery's ``process`` span."""
+    decided: int
+    """When the settle was decided (``time.time_ns()``)."""
+    destination: str
+    """The process span's destination."""
+    queue: str
+    settle: str
+    """How it is settled (``reliable_mq.settle``: ``ack``, ``retry``, ``reject``...)."""
+    tag: int
+    message_id: str
+
+
+def settle_trace(
+    process: Any, decided: int, delivery: Any, queue: str, settle: str, tag: int
+) -> SettleTrace:
+    """The `SettleTrace` of ``delivery`` (a `reliable_mq.delivery.Delivery`) from ``queue``."""
+    destination = consume_destination(delivery.exchange, delivery.routing_key, queue)
+    return SettleTrace(process, decided, destination, queue, str(settle), tag, delivery.message_id)
+
+
+@_guarded(_nothing)
+def settle_frame(
+    tracer: Any,
+    operation: str,
+    traces: Sequence[SettleTrace],
+    count: int,
+    frame_tag: int,
+    url: URL | None,
+    error: str | None,
+) -> None:
+    """Record one settle frame as a CLIENT span ``{operation} {destination}``, from the
+    first decision it carries out to now (the frame written, or ``error``).
+
+    One delivery: a child of its process span. A batched ack (``count`` > 1): a
+    root span with ``messaging.batch.message_count`` and a link to the process
+    span of each traced delivery it covers (at most `MAX_SETTLE_LINKS`).
+    """
+    first = traces[0]
+    batch = count > 1
+    settles = {t.settle for t in traces}
+    destinations = {t.destination for t in traces}
+    destination = first.destination if len(destinations) == 1 else first.queue
+    attributes: dict[str, Any] = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": "settle",
+        "messaging.operation.name": operation,
+        "messaging.destination.name": destination,
+        "messaging.rabbitmq.message.delivery_tag": frame_tag,
+    }
+    if len(settles) == 1:
+        attributes["reliable_mq.settle"] = first.settle
+    _server(url, attributes)
+    if batch:
+        attributes["messaging.batch.message_count"] = count
+        parent = otel_context.Context()  # a root: it belongs to no one delivery's trace
+        links = [trace.Link(t.process.get_span_context()) for t in traces[:MAX_SETTLE_LINKS]]
+    else:
+        if first.message_id:
+            attributes["messaging.message.id"] = first.message_id
+        parent = trace.set_span_in_context(first.process)
+        links = None
+    span = tracer.start_span(
+        f"{operation} {destination}",
+        context=parent,
+        kind=trace.SpanKind.CLIENT,
+        attributes=attributes,
+        links=links,
+        start_time=min(t.decided for t in traces),
+    )
+    if error is not None:
+        span.set_attribute("error.type", error)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+    span.end()

@@ -157,8 +157,8 @@ class ReliableConsumer(Router):
             one of the consumer's channels is lost while it consumes: the
             deliveries unsettled on it go back to the queue, and the consumer
             opens a new channel. Not called when the consumer stops.
-        tracer_provider: an OpenTelemetry ``TracerProvider`` for the ``process`` spans
-            and the copies' ``publish`` spans (default: the global one; none
+        tracer_provider: an OpenTelemetry ``TracerProvider`` for the ``process``, settle
+            and copies' ``publish`` spans (default: the global one; none
             configured, no spans). See [Tracing](../tracing.md).
 
     Raises:

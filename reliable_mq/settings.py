@@ -328,6 +328,11 @@ class ConsumerSettings(_Settings):
     batch_ack: bool = Field(default=True, description="coalesce acks into multiple=true frames")
     ack_batch_size: int = Field(default=50, ge=1, le=65535)
     ack_flush_interval: float = Field(default=0.05, gt=0, le=10, description="seconds")
+    trace_parent_from_message: bool = Field(
+        default=False,
+        description="the process span is a child of the producer's context from the message's "
+        "traceparent header (it stays linked too), instead of only linked to it; see Tracing",
+    )
     shutdown_grace: float = Field(
         default=30.0, ge=0, description="seconds in-flight handlers get to finish on stop()"
     )

@@ -41,6 +41,11 @@ class TagState(enum.IntEnum):
     SETTLED = 2
     """Settled by its own frame; must never be named again."""
 
+    @staticmethod
+    def unacked(state: TagState | None) -> bool:
+        """Unacked on the broker: in progress, or finished with its ack still batched."""
+        return state is TagState.IN_PROGRESS or state is TagState.ACK_PENDING
+
 
 class AckTracker:
     """Outstanding delivery tags of one channel, in tag order."""

@@ -17,8 +17,8 @@ RabbitMQ's own dead-lettering does, and one the publisher needs
 A *full* copy carries every header of the original (but the broker's
 ``x-delivery-count``) plus ours; a *trimmed* copy, for when the full one cannot
 be published, keeps the body, the properties and only the wire-contract
-headers of [`reliable_mq.headers`][reliable_mq.headers] whose values are small,
-and names what it dropped in ``x-reliable-mq-dropped-headers``.
+headers of [`reliable_mq.headers`][reliable_mq.headers] and the W3C trace
+context (``traceparent``, ``tracestate``) whose values are small, and names what it dropped in ``x-reliable-mq-dropped-headers``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from .._tracing import TRACEPARENT, TRACESTATE
 from ..delivery import Delivery, Settle
 from ..headers import (
     ATTEMPT_HEADER,
@@ -54,6 +55,7 @@ __all__ = ("COPIED_PROPERTIES", "Copy", "build_copy", "copy_properties", "text_o
 TEXT_LIMIT = 1000
 """Longest text header we write (error messages, dropped header names)."""
 _SMALL_VALUE = 256
+_TRACE_CONTEXT = frozenset({TRACEPARENT, TRACESTATE})
 _STRIP_ON_REPUBLISH = frozenset({DELIVERY_COUNT_HEADER})
 
 
@@ -144,6 +146,12 @@ def _small(value: Any) -> bool:
     return isinstance(value, (str, bytes)) and len(value) <= _SMALL_VALUE
 
 
+def _kept_when_trimmed(key: str) -> bool:
+    """A wire-contract header (ours) or the W3C trace context (a copy links to the
+    original's creation context, trimmed or not)."""
+    return (key in WIRE_CONTRACT and key != DROPPED_HEADERS_HEADER) or key in _TRACE_CONTEXT
+
+
 def _base_headers(delivery: Delivery, *, trimmed: bool) -> dict[str, Any]:
     source: Mapping[str, Any] = delivery.headers
     if not trimmed:
@@ -154,7 +162,7 @@ def _base_headers(delivery: Delivery, *, trimmed: bool) -> dict[str, Any]:
         for key, value in source.items():
             if key in _STRIP_ON_REPUBLISH:
                 continue
-            if key in WIRE_CONTRACT and key != DROPPED_HEADERS_HEADER and _small(value):
+            if _kept_when_trimmed(key) and _small(value):
                 headers[key] = value
             else:
                 dropped.append(str(key))

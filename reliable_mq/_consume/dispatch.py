@@ -213,6 +213,7 @@ class Dispatcher:
             delivery_tag=ticket.tag,
             attempt=delivery.attempt,
             url=None if address is None else address().url,
+            parent_from_message=self.settings.trace_parent_from_message,
         )
         if ticket.span is None:  # the tracer failed (logged once): no span, same work
             await self._deliver(route, ticket, acks_first, undecodable)

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._amqp import AMQP_ERRORS
 from .._amqp import ConsumeChannel as Channel
-from .._tracing import Tracing
+from .._tracing import CHANNEL_CLOSED, SettleTrace, Tracing, settle_frame
 from ..metrics import QueueMetrics
 from ..publisher import ReliablePublisher
 from ..settings import BrokerAddress, ConsumerSettings
@@ -52,6 +52,8 @@ _ACK = FrameKind.ACK
 _ACK_MULTIPLE = FrameKind.ACK_MULTIPLE
 _NACK_REQUEUE = FrameKind.NACK_REQUEUE
 _NACK_DROP = FrameKind.NACK_DROP
+_OPERATIONS = {_ACK: "ack", _ACK_MULTIPLE: "ack", _NACK_REQUEUE: "nack", _NACK_DROP: "nack"}
+"""A frame kind's ``messaging.operation.name`` (RabbitMQ's method: ``basic.ack``/``basic.nack``)."""
 
 
 class Shared:
@@ -139,6 +141,8 @@ class Frames:
         self.flush_tasks: set[asyncio.Task[None]] = set()
         self.batch = shared.settings.batch_ack
         self.batch_size = shared.settings.ack_batch_size
+        self.traced: dict[int, SettleTrace] = {}
+        """Batched acks of traced deliveries, by tag, until their frame is written or lost."""
 
     def dead(self) -> bool:
         """True once the channel is gone (its delivery tags are void)."""
@@ -179,7 +183,53 @@ class Frames:
             self.metrics.ack_frames += 1
         return True
 
-    async def _settle_single(self, kind: FrameKind, tag: int) -> bool:
+    async def _traced_write(
+        self,
+        kind: FrameKind,
+        tag: int,
+        deliveries: int,
+        traces: list[SettleTrace],
+        *,
+        wait: bool = False,
+    ) -> bool:
+        """`_write`, recorded as a settle span (written, or lost: ``error.type``)."""
+        written = False
+        try:
+            written = await self._write(kind, tag, deliveries, wait=wait)
+        finally:
+            self._record(kind, traces, deliveries, tag, None if written else CHANNEL_CLOSED)
+        return written
+
+    def _record(
+        self,
+        kind: FrameKind,
+        traces: list[SettleTrace],
+        deliveries: int,
+        tag: int,
+        error: str | None,
+    ) -> None:
+        tracer = self.shared.tracing.tracer()
+        if tracer is not None:
+            address = self.shared.address
+            url = None if address is None else address().url
+            settle_frame(tracer, _OPERATIONS[kind], traces, deliveries, tag, url, error)
+
+    def _lost(self, trace: SettleTrace | None, kind: FrameKind = _ACK) -> None:
+        """A traced settle found the channel dead: its span records the loss."""
+        if trace is not None:
+            self._record(kind, [trace], 1, trace.tag, CHANNEL_CLOSED)
+
+    def _covered(self, tag: int) -> list[SettleTrace]:
+        """The traced batched acks a multiple ack of ``tag`` settles (taken out)."""
+        traced = self.traced
+        covered = [trace for pending, trace in traced.items() if pending <= tag]
+        for trace in covered:
+            del traced[trace.tag]
+        return covered
+
+    async def _settle_single(
+        self, kind: FrameKind, tag: int, trace: SettleTrace | None = None
+    ) -> bool:
         """Settle ``tag`` by its own frame, unless it was settled already.
 
         The tracker's state changes under the same lock as the frame is written,
@@ -189,18 +239,30 @@ class Frames:
         """
         async with self.lock:
             if self.tracker.settle(tag):
-                return await self._write(kind, tag, 1)
+                if trace is None:
+                    return await self._write(kind, tag, 1)
+                return await self._traced_write(kind, tag, 1, [trace])
         return True
 
     async def flush(self, *, stragglers: bool, wait: bool = False) -> None:
         """Send the batched acks: the finished prefix, and optionally the stragglers."""
         async with self.lock:
             tag, count = self.tracker.take_prefix()
+            traced = self.traced
             if tag is not None:
-                await self._write(_ACK_MULTIPLE if count > 1 else _ACK, tag, count, wait=wait)
+                kind = _ACK_MULTIPLE if count > 1 else _ACK
+                covered = self._covered(tag) if traced else None
+                if covered:
+                    await self._traced_write(kind, tag, count, covered, wait=wait)
+                else:
+                    await self._write(kind, tag, count, wait=wait)
             if stragglers:
                 for single in self.tracker.take_stragglers():
-                    await self._write(_ACK, single, 1, wait=wait)
+                    trace = traced.pop(single, None) if traced else None
+                    if trace is not None:
+                        await self._traced_write(_ACK, single, 1, [trace], wait=wait)
+                    else:
+                        await self._write(_ACK, single, 1, wait=wait)
 
     def _on_flush_timer(self) -> None:
         self.flush_handle = None
@@ -216,6 +278,10 @@ class Frames:
             self.flush_handle = None
         for task in list(self.flush_tasks):
             task.cancel()
+        if self.traced:  # batched acks never written: each delivery's settle span says so
+            lost, self.traced = list(self.traced.values()), {}
+            for trace in lost:
+                self._lost(trace)
 
     async def final_flush(self) -> None:
         """Shutdown: send every batched ack now, and wait for the broker to take them."""
@@ -224,8 +290,10 @@ class Frames:
             self.flush_handle = None
         await self.flush(stragglers=True, wait=True)
 
-    async def ack(self, tag: int) -> bool:
+    async def ack(self, tag: int, trace: SettleTrace | None = None) -> bool:
         """Ack ``tag``, batched (when batch acks are on) or now.
+
+        ``trace``: the delivery is traced; its settle span is recorded with the frame.
 
         Returns:
             False if the channel was found dead (the ack is lost: the broker will
@@ -233,10 +301,13 @@ class Frames:
         """
         if self.dead():
             self.stale(1)
+            self._lost(trace)
             return False
         if self.batch:
             if not self.tracker.finish(tag):
                 return True
+            if trace is not None:
+                self.traced[tag] = trace
             if self.tracker.pending >= self.batch_size:
                 await self.flush(stragglers=False)
             if self.tracker.pending and self.flush_handle is None:
@@ -244,9 +315,9 @@ class Frames:
                     self.shared.settings.ack_flush_interval, self._on_flush_timer
                 )
             return True
-        return await self._settle_single(_ACK, tag)
+        return await self._settle_single(_ACK, tag, trace)
 
-    async def ack_now(self, tag: int) -> bool:
+    async def ack_now(self, tag: int, trace: SettleTrace | None = None) -> bool:
         """Ack ``tag`` in its own frame, now: used after a confirmed republish, so
         a channel loss cannot leave both the copy and the original behind.
 
@@ -255,14 +326,17 @@ class Frames:
         """
         if self.dead():
             self.stale(1)
+            self._lost(trace)
             return False
-        return await self._settle_single(_ACK, tag)
+        return await self._settle_single(_ACK, tag, trace)
 
-    async def nack(self, tag: int, *, requeue: bool) -> None:
+    async def nack(self, tag: int, *, requeue: bool, trace: SettleTrace | None = None) -> None:
+        kind = _NACK_REQUEUE if requeue else _NACK_DROP
         if self.dead():
             self.stale(1)
+            self._lost(trace, kind)
             return
-        await self._settle_single(_NACK_REQUEUE if requeue else _NACK_DROP, tag)
+        await self._settle_single(kind, tag, trace)
 
     def abort(self) -> None:
         """Close the channel now: the broker requeues every delivery still unacked."""

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from .._amqp import ConsumeChannel as Channel
 from .._amqp.faults import Fault, FaultKind, classify, consumer_timeout_of
-from .._tracing import settled
+from .._tracing import SettleTrace, settle_trace, settled
 from ..delivery import Delivery, Settle
 from ..errors import ClosedError
 from ..handlers import HandlerSpec, Reject, Retry
@@ -134,6 +134,7 @@ class Ticket:
         "admitted",
         "claim",
         "deadline",
+        "decided",
         "delivery",
         "for_broker",
         "session",
@@ -160,6 +161,7 @@ class Ticket:
         self.for_broker = False
         self.span: Any = None
         """Its ``process`` span (None: tracing is off)."""
+        self.decided: int  # when its settle was decided (time_ns), set only if it has a span
 
     @property
     def outcome(self) -> Settle | None:
@@ -303,7 +305,7 @@ class Session(Frames):
             )
             shared.set_consumer_timeout(limit)
         unacked = sorted(
-            (t for t in self.inflight.values() if _unacked(self.tracker.state(t.tag))),
+            (t for t in self.inflight.values() if TagState.unacked(self.tracker.state(t.tag))),
             key=lambda t: t.tag,
         )
         for index, ticket in enumerate(unacked):
@@ -360,6 +362,8 @@ class Session(Frames):
                 )
             return False
         ticket._outcome = decision.settle  # reserved: nothing else settles this delivery
+        if ticket.span is not None:
+            ticket.decided = time.time_ns()
         ticket.settling = True  # the handler's deadline waits for the end of the settle
         try:
             final = await self._carry_out(ticket, decision, cause)
@@ -397,21 +401,22 @@ class Session(Frames):
                 )
                 settle = decision.settle
         metrics, tag = self.route.metrics, ticket.tag
+        trace = None if ticket.span is None else self._trace(ticket, settle)
         match settle:
             case Settle.ACK:
                 metrics.acked += 1
-                if not await self.ack(tag):
+                if not await self.ack(tag, trace):
                     self._ack_lost(ticket.delivery)
             case Settle.DUPLICATE:
                 metrics.duplicate += 1
                 delivery_log(ticket.delivery).debug("duplicate_skipped", by=cause.outcome)
-                await self.ack(tag)
+                await self.ack(tag, trace)
             case Settle.REQUEUE:
                 metrics.requeued += 1
-                await self.nack(tag, requeue=True)
+                await self.nack(tag, requeue=True, trace=trace)
             case Settle.REJECT:
                 metrics.rejected += 1
-                await self.nack(tag, requeue=False)
+                await self.nack(tag, requeue=False, trace=trace)
             case Settle.STALE:
                 self.stale(1)
             case Settle.RETRY | Settle.DEAD_LETTER | Settle.DEFER:
@@ -452,7 +457,7 @@ class Session(Frames):
                 assert copy is not None
                 route.copy_published(delivery)
                 self._copied(delivery, decision, copy)
-                if not await self.ack_now(ticket.tag):
+                if not await self.ack_now(ticket.tag, self._trace(ticket, purpose)):
                     self._ack_lost(delivery)  # its return must not make a second copy
                 return purpose
             if self.dead():
@@ -478,7 +483,9 @@ class Session(Frames):
         if rung is Rung.BROKER_DEAD_LETTER:
             route.metrics.dead_lettered += 1
             route.metrics.dead_letter_reason(decision.reason or UNPUBLISHABLE_COPY)
-            await self.nack(ticket.tag, requeue=False)
+            await self.nack(
+                ticket.tag, requeue=False, trace=self._trace(ticket, Settle.DEAD_LETTER)
+            )
             return Settle.DEAD_LETTER
         await self._requeue_later(ticket)
         return Settle.REQUEUE
@@ -544,7 +551,7 @@ class Session(Frames):
         self.route.metrics.requeued += 1
         if delay:
             await asyncio.sleep(delay)
-        await self.nack(ticket.tag, requeue=True)
+        await self.nack(ticket.tag, requeue=True, trace=self._trace(ticket, Settle.REQUEUE))
 
     async def _last_resort(self, ticket: Ticket) -> Settle:
         try:
@@ -565,13 +572,16 @@ class Session(Frames):
         if self.dead():
             self.stale(1)
             return Settle.STALE
-        self.spawn(self.nack(ticket.tag, requeue=True))
+        self.spawn(self.nack(ticket.tag, requeue=True, trace=self._trace(ticket, Settle.REQUEUE)))
         return Settle.REQUEUE
 
-
-def _unacked(state: TagState | None) -> bool:
-    """Unacked on the broker: in progress, or finished with its ack still batched."""
-    return state is TagState.IN_PROGRESS or state is TagState.ACK_PENDING
+    def _trace(self, ticket: Ticket, settle: Settle) -> SettleTrace | None:
+        """What the settle span of ``ticket``'s frame needs; None: not traced."""
+        if ticket.span is None:
+            return None
+        return settle_trace(
+            ticket.span, ticket.decided, ticket.delivery, self.route.spec.queue, settle, ticket.tag
+        )
 
 
 def _waiting_for(ticket: Ticket, state: TagState | None) -> str:
