@@ -234,6 +234,7 @@ class TestContribConsumer:
         """An aio-pika consumer under the contrib instrumentation reads our ``traceparent``:
         its CONSUMER span is a child of our publish span (the contrib parents, not links)."""
         contrib.instrument(tracer_provider=spans.provider)
+        assert contrib.is_instrumented_by_opentelemetry, "refused: see its logged conflict"
         async with ReliablePublisher(
             connection(broker_url, fast_path),
             registry=CollectorRegistry(),
@@ -332,6 +333,7 @@ class TestContribAlongside:
         """The contrib instrumentation on (the same provider): on both paths, exactly one
         publish and one process span per message, our ``traceparent`` on the wire."""
         contrib.instrument(tracer_provider=spans.provider)
+        assert contrib.is_instrumented_by_opentelemetry, "refused: see its logged conflict"
         await alongside(broker_url, spans, fast_path, spans.provider)
 
     def test_with_the_global_provider(self, broker_url: str) -> None:
@@ -344,7 +346,9 @@ class TestContribAlongside:
             "from tests.test_tracing_interop import Spans, alongside\n"
             "spans = Spans()\n"
             "trace.set_tracer_provider(spans.provider)\n"
-            "AioPikaInstrumentor().instrument()\n"
+            "contrib = AioPikaInstrumentor()\n"
+            "contrib.instrument()\n"
+            "assert contrib.is_instrumented_by_opentelemetry\n"
             "for path in (FastPath.ON, FastPath.OFF):\n"
             "    spans.exporter.clear()\n"
             "    asyncio.run(alongside(sys.argv[1], spans, path, None))\n"
