@@ -366,11 +366,12 @@ def batch_ended(
 
 
 class _HeaderGetter(Getter):  # type: ignore[type-arg]
-    """Reads AMQP headers: a value may be ``str`` or ``bytes`` (a long string not UTF-8)."""
+    """Reads AMQP headers: a value may be ``str``, ``bytes`` (a long string not UTF-8)
+    or ``bytearray`` (a byte array: pika and aio-pika send a ``bytes`` value as one)."""
 
     def get(self, carrier: Mapping[str, Any], key: str) -> list[str] | None:
         value = carrier.get(key)
-        if isinstance(value, bytes):
+        if isinstance(value, (bytes, bytearray)):
             value = value.decode("latin-1")
         return [value] if isinstance(value, str) else None
 
