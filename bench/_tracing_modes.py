@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ __all__ = (
     "row_name",
     "run_child",
     "spans_exported",
+    "spans_per_message",
     "summary",
 )
 
@@ -58,6 +60,8 @@ runpy.run_path(script, run_name="__main__")
 """
 
 _exporter: Any = None
+_spans: dict[str, list[float]] = {}
+"""Spans exported per message, by row, as the children reported them."""
 
 
 def row_name(variant: str, mode: str) -> str:
@@ -152,7 +156,14 @@ def run_child(script: str, mode: str, variant: str, argv: Sequence[str]) -> dict
     sample: dict[str, Any] = json.loads(lines[-1][len(MARKER) :])
     if sample.pop("reliable_mq") != reliable_mq.__file__:
         raise ChildFailed(f"{variant} [{mode}] imported another reliable_mq than this process")
+    _spans.setdefault(row_name(variant, mode), []).append(sample["spans_per_message"])
     return sample
+
+
+def spans_per_message(row: str) -> float | None:
+    """The median spans exported per message of a child row (None: not a child row)."""
+    found = _spans.get(row)
+    return statistics.median(found) if found else None
 
 
 def summary(

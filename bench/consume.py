@@ -456,6 +456,7 @@ async def main(args: argparse.Namespace) -> None:
                 "client_us": client,
                 "broker_us": broker,
                 "rounds": [s.__dict__ for s in found],
+                "spans_per_message": _tracing_modes.spans_per_message(name),
             }
         )
     if args.tracing:

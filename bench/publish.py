@@ -319,6 +319,7 @@ async def main(args: argparse.Namespace) -> None:
                 "client_us": client,
                 "broker_us": broker,
                 "rounds": [s.__dict__ for s in found_samples],
+                "spans_per_message": _tracing_modes.spans_per_message(name),
             }
         )
     if args.tracing:

@@ -16,6 +16,7 @@ CPU is this process's (all threads) per message; the broker's is not counted.
 Compare figures from one run only: rates drift by 25% or more between runs.
 
     python bench/sync_publish.py [--messages 20000] [--threads 8] [--rounds 1] [--tracing]
+                                 [--json results.json]
 
 ``--tracing`` adds, for the two ``BlockingPublisher`` variants, three rows measured in
 a fresh child process each, interleaved with the others round by round:
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import threading
 import time
@@ -35,10 +37,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+import _provenance
 import _tracing_modes
 import pika
 from prometheus_client import CollectorRegistry
 
+import reliable_mq
 from reliable_mq import BlockingPublisher, Message, PublisherSettings, ReliablePublisher
 
 URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -268,6 +272,7 @@ def main() -> None:
         help="also the BlockingPublisher variants without opentelemetry, with the API only, "
         "and with an SDK sampling everything, each in a child process",
     )
+    parser.add_argument("--json", help="also write the medians to this file")
     parser.add_argument("--child", choices=_tracing_modes.MODES, help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=list(TRACED), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -315,6 +320,41 @@ def main() -> None:
         traced = [name for name, run, _ in plan if run.__name__ in TRACED]
         print("\n".join(_tracing_modes.summary(traced, cpu, "CPU", "µs/msg")))
         print("\n".join(_tracing_modes.summary(traced, rate, "rate", "msgs/s")))
+    if args.json:
+        _write_json(args, samples, rate, cpu)
+
+
+def _write_json(
+    args: argparse.Namespace,
+    samples: dict[str, list[Sample]],
+    rate: dict[str, float],
+    cpu: dict[str, float],
+) -> None:
+    rows = [
+        {
+            "variant": name,
+            "rate": rate[name],
+            "client_us": cpu[name],
+            "spans_per_message": _tracing_modes.spans_per_message(name),
+            "rounds": [sample._asdict() for sample in found],
+        }
+        for name, found in samples.items()
+    ]
+    origin = _provenance.origin(reliable_mq)
+    with open(args.json, "w") as out:
+        json.dump(
+            {
+                "bench": "sync_publish",
+                "label": origin["label"],
+                "reliable_mq": origin,
+                "messages": args.messages,
+                "threads": args.threads,
+                "rounds": args.rounds,
+                "rows": rows,
+            },
+            out,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":
