@@ -442,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--record", metavar="SVG", help="run the docs scenario, then render what it recorded"
     )
     parser.add_argument("--keep-spans", help="with --record: also keep the spans JSON here")
-    parser.add_argument("--title", default="", help="the picture's title")
+    parser.add_argument("--title", help="the picture's title")
     args = parser.parse_args(argv)
     if args.record:
         with tempfile.TemporaryDirectory() as tmp:
@@ -454,7 +454,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         spans, output = load(args.spans), args.output
     else:
         parser.error("give a spans JSON file, or --record SVG")
-    svg = render(spans, args.title)
+    title = args.title or (
+        "Spans recorded in a test run (RabbitMQ, PostgreSQL)" if args.record else ""
+    )
+    svg = render(spans, title)
     if output:
         Path(output).write_text(svg)
         print(f"{output}: {len(spans)} spans", file=sys.stderr)
