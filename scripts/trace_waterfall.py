@@ -328,7 +328,8 @@ def _panel(
     for tick in ticks:
         x = at(panel.start + tick)
         svg.add(f'<line x1="{x:.1f}" y1="{y - 6}" x2="{x:.1f}" y2="{y}" stroke="#999"/>')
-        svg.text(x, y - 10, _duration(tick) if tick else "0", 12, fill="#666", text_anchor="middle")
+        label = _duration(tick).replace(".0 ", " ") if tick else "0"
+        svg.text(x, y - 10, label, 12, fill="#666", text_anchor="middle")
     top = y
     rows: list[tuple[float, Row | str]] = []
     for row in panel.rows:
