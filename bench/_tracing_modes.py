@@ -32,6 +32,7 @@ from typing import Any
 __all__ = (
     "MODES",
     "ChildFailed",
+    "paired",
     "check_mode",
     "provider",
     "row_name",
@@ -178,6 +179,24 @@ def summary(
         lines.append(
             f"  {variant}: API only vs not importable {_delta(api, absent, unit)}; "
             f"SDK always_on vs API only {_delta(sdk, api, unit)}"
+        )
+    return lines
+
+
+def paired(variants: Sequence[str], per_round: dict[str, list[float]], metric: str) -> list[str]:
+    """Lines with the median of the per-round ratios (rows of one round ran minutes apart
+    at most, so a ratio within a round is less hit by drift than a ratio of medians)."""
+    lines = [f"tracing overhead ({metric}; median of the per-round ratios):"]
+    for variant in variants:
+        absent, api, sdk = (per_round.get(row_name(variant, mode), []) for mode in MODES)
+        if not (absent and api and sdk):
+            continue
+        api_ratios = [a / b for a, b in zip(api, absent, strict=True) if b]
+        sdk_ratios = [a / b for a, b in zip(sdk, api, strict=True) if b]
+        rounds = " ".join(f"{ratio:.3f}" for ratio in api_ratios)
+        lines.append(
+            f"  {variant}: API only / not importable {statistics.median(api_ratios):.3f} "
+            f"(rounds: {rounds}); SDK always_on / API only {statistics.median(sdk_ratios):.2f}"
         )
     return lines
 

@@ -326,6 +326,8 @@ async def main(args: argparse.Namespace) -> None:
         client_us = {row["variant"]: row["client_us"] for row in rows}
         print("\n".join(_tracing_modes.summary(TRACED, client_us, "client CPU", "µs/msg")))
         print("\n".join(_tracing_modes.summary(TRACED, rates, "rate", "msgs/s")))
+        per_round = {row: [s.client_us for s in found] for row, found in samples.items()}
+        print("\n".join(_tracing_modes.paired(TRACED, per_round, "client CPU")))
     if args.json:
         with open(args.json, "w") as out:  # noqa: ASYNC230 - once, after the measurements
             json.dump(

@@ -320,6 +320,8 @@ def main() -> None:
         traced = [name for name, run, _ in plan if run.__name__ in TRACED]
         print("\n".join(_tracing_modes.summary(traced, cpu, "CPU", "µs/msg")))
         print("\n".join(_tracing_modes.summary(traced, rate, "rate", "msgs/s")))
+        per_round = {row: [s.cpu_us for s in found] for row, found in samples.items()}
+        print("\n".join(_tracing_modes.paired(traced, per_round, "CPU")))
     if args.json:
         _write_json(args, samples, rate, cpu)
 
