@@ -370,7 +370,7 @@ def _span_row(
             value = str(attributes[key])
             details.append(f"{short}={_clip(value, 12 if short == 'id' else 20)}")
     if row.orphan:
-        details = [details[0], "parent not recorded"]
+        details = [details[0], "parent not recorded", *details[1:3]]
     svg.text(indent, y + 31, _clip(" · ".join(details), 54 - 2 * row.depth), 12, fill="#666")
     x0, x1 = at(span["start_ns"]), at(span["end_ns"])
     width = max(x1 - x0, 2.0)
