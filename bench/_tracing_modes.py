@@ -133,8 +133,12 @@ class ChildFailed(RuntimeError):
     """A child measurement exited non-zero or printed no sample."""
 
 
-def run_child(script: str, mode: str, variant: str, argv: Sequence[str]) -> dict[str, Any]:
-    """Measure ``variant`` once in a fresh process in ``mode``; its sample as a dict."""
+def run_child(
+    script: str, mode: str, variant: str, argv: Sequence[str], row: str | None = None
+) -> dict[str, Any]:
+    """Measure ``variant`` once in a fresh process in ``mode``; its sample as a dict.
+
+    ``row``: the row it is reported as (default: ``row_name(variant, mode)``)."""
     import reliable_mq  # noqa: PLC0415
 
     command = [
@@ -157,7 +161,7 @@ def run_child(script: str, mode: str, variant: str, argv: Sequence[str]) -> dict
     sample: dict[str, Any] = json.loads(lines[-1][len(MARKER) :])
     if sample.pop("reliable_mq") != reliable_mq.__file__:
         raise ChildFailed(f"{variant} [{mode}] imported another reliable_mq than this process")
-    _spans.setdefault(row_name(variant, mode), []).append(sample["spans_per_message"])
+    _spans.setdefault(row or row_name(variant, mode), []).append(sample["spans_per_message"])
     return sample
 
 

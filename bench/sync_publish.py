@@ -250,9 +250,9 @@ def _traced_round(
         if run.__name__ not in TRACED:
             continue
         for mode in modes:
-            found = _tracing_modes.run_child(__file__, mode, run.__name__, argv)
-            spans = found.pop("spans_per_message")
             row = _tracing_modes.row_name(name, mode)
+            found = _tracing_modes.run_child(__file__, mode, run.__name__, argv, row)
+            spans = found.pop("spans_per_message")
             samples.setdefault(row, []).append(Sample(**found))
             print(
                 f"round {round_no + 1}: {row:<80} {found['rate']:>9,.0f} msgs/s "
