@@ -29,6 +29,14 @@ message, not skipping.
     .venv/bin/python bench/consume.py --messages 2000 --rounds 1   # a quick check
     .venv/bin/python bench/consume.py --all --json consume.json
 
+``--tracing`` adds, for the two default reliable_mq modes, three rows measured
+in a fresh child process each, interleaved with the others round by round:
+opentelemetry not importable, the API without an SDK (the default), and an SDK
+sampling everything into a no-op exporter through a ``BatchSpanProcessor``
+(see ``bench/_tracing_modes.py``). Without it the run is the same as before.
+
+    .venv/bin/python bench/consume.py --tracing --rounds 5
+
 It prints which reliable_mq it imported (path and commit) and records it in the
 JSON with ``--label``; with ``PYTHONPATH`` pointing at an older reliable_mq it
 measures that one (see docs/performance.md, "Reproduce").
@@ -52,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import _provenance
+import _tracing_modes
 import aio_pika
 import aiormq
 import pika
@@ -71,6 +80,11 @@ AIO_AUTO = "aio-pika auto-ack"
 PIKA_AUTO = "pika BlockingConnection auto-ack"
 RMQ_DEFAULTS = "reliable_mq defaults (dedup memory)"
 RMQ_NO_DEDUP = "reliable_mq, dedup off"
+TRACED = [RMQ_DEFAULTS, RMQ_NO_DEDUP]
+"""The modes ``--tracing`` measures in each tracing set-up."""
+
+TRACER_PROVIDER: object | None = None
+"""Set in a ``--child sdk`` process only: the SDK provider every ReliableConsumer gets."""
 
 
 def broker_pid() -> int | None:
@@ -266,12 +280,14 @@ def reliable(dedup: str = "memory", *, batch_ack: bool = True) -> Runner:
     async def run(queue: str, clock: Clock, prefetch: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             store = await make_store(dedup, tmp)
+            traced = {"tracer_provider": TRACER_PROVIDER} if TRACER_PROVIDER is not None else {}
             consumer = ReliableConsumer(
                 URL,
                 prefetch=prefetch,
                 batch_ack=batch_ack,
                 registry=CollectorRegistry(),
                 dedup=store,  # type: ignore[arg-type]
+                **traced,
             )
 
             @consumer.handler(queue)
@@ -331,7 +347,48 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+async def child(args: argparse.Namespace) -> None:
+    """One measurement of ``args.variant`` in tracing mode ``args.child`` (see ``--tracing``)."""
+    global TRACER_PROVIDER  # noqa: PLW0603 - this process measures one set-up
+    _tracing_modes.check_mode(args.child)
+    TRACER_PROVIDER = _tracing_modes.provider(args.child)
+    sample = await measure(args.variant, args.messages, args.prefetch, args.size)
+    _tracing_modes.emit(sample.__dict__, args.messages, TRACER_PROVIDER)
+
+
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    return [
+        *("--messages", str(args.messages), "--prefetch", str(args.prefetch)),
+        *("--size", str(args.size)),
+        *(["--uvloop"] if args.uvloop else []),
+    ]
+
+
+async def _traced_round(
+    args: argparse.Namespace, round_no: int, samples: dict[str, list[Sample]]
+) -> None:
+    """Each traced mode in each tracing set-up, in a child process; the set-ups' order
+    turns round by round, so no set-up always runs first."""
+    modes = _tracing_modes.MODES[round_no % 3 :] + _tracing_modes.MODES[: round_no % 3]
+    for name in TRACED:
+        for mode in modes:
+            found = await asyncio.to_thread(
+                _tracing_modes.run_child, __file__, mode, name, _child_argv(args)
+            )
+            spans = found.pop("spans_per_message")
+            row = _tracing_modes.row_name(name, mode)
+            samples.setdefault(row, []).append(Sample(**found))
+            print(
+                f"round {round_no + 1}: {row:<72} {found['rate']:>9,.0f} msgs/s "
+                f"{found['client_us']:>6.1f} us client CPU/msg, {spans:.2f} spans/msg",
+                flush=True,
+            )
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.child:
+        await child(args)
+        return
     origin = _provenance.origin(reliable_mq, args.label)
     print(_provenance.describe(origin), flush=True)
     names = [name for name, (_, _, default) in MODES.items() if default or args.all]
@@ -354,6 +411,9 @@ async def main(args: argparse.Namespace) -> None:
                 f"{sample.client_us:>6.1f} us client CPU/msg",
                 flush=True,
             )
+        if args.tracing:
+            await _traced_round(args, round_no, samples)
+    names = list(samples)
 
     rates = {n: statistics.median(s.rate for s in found) for n, found in samples.items() if found}
     auto, pik = rates[AIO_AUTO], rates[PIKA_AUTO]
@@ -366,8 +426,9 @@ async def main(args: argparse.Namespace) -> None:
         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
         f"({os.cpu_count()} CPUs)\n{_provenance.describe(origin)}"
     )
+    width = max(40, *(len(name) for name in names))
     header = (
-        f"{'mode':<40} {'msgs/s':>9} {'vs aio-pika auto':>17} {'vs pika auto':>13} "
+        f"{'mode':<{width}} {'msgs/s':>9} {'vs aio-pika auto':>17} {'vs pika auto':>13} "
         f"{'client µs/msg':>14} {'broker µs/msg':>14}"
     )
     print(header)
@@ -376,14 +437,14 @@ async def main(args: argparse.Namespace) -> None:
     for name in names:
         found = samples[name]
         if not found:
-            print(f"{name:<40} skipped: {skipped.get(name, 'no data')}")
+            print(f"{name:<{width}} skipped: {skipped.get(name, 'no data')}")
             continue
         rate = rates[name]
         client = _median([s.client_us for s in found])
         broker = _median([s.broker_us for s in found])
         broker_text = f"{broker:>14.1f}" if broker is not None else f"{'n/a':>14}"
         print(
-            f"{name:<40} {rate:>9,.0f} {rate / auto:>16.2f}x {rate / pik:>12.2f}x "
+            f"{name:<{width}} {rate:>9,.0f} {rate / auto:>16.2f}x {rate / pik:>12.2f}x "
             f"{client or 0:>14.1f} {broker_text}"
         )
         rows.append(
@@ -395,8 +456,15 @@ async def main(args: argparse.Namespace) -> None:
                 "client_us": client,
                 "broker_us": broker,
                 "rounds": [s.__dict__ for s in found],
+                "spans_per_message": _tracing_modes.spans_per_message(name),
             }
         )
+    if args.tracing:
+        client_us = {row["mode"]: row["client_us"] for row in rows}
+        print("\n".join(_tracing_modes.summary(TRACED, client_us, "client CPU", "µs/msg")))
+        print("\n".join(_tracing_modes.summary(TRACED, rates, "rate", "msgs/s")))
+        per_round = {row: [s.client_us for s in found] for row, found in samples.items()}
+        print("\n".join(_tracing_modes.paired(TRACED, per_round, "client CPU")))
     if args.json:
         with open(args.json, "w") as out:  # noqa: ASYNC230 - once, after the measurements
             json.dump(
@@ -430,6 +498,14 @@ def cli() -> None:
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop (if installed)")
     parser.add_argument("--label", help="a name for this run in the JSON (default: the commit)")
     parser.add_argument("--json", help="also write the medians to this file")
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also the default reliable_mq modes without opentelemetry, with the API only, "
+        "and with an SDK sampling everything, each in a child process",
+    )
+    parser.add_argument("--child", choices=_tracing_modes.MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=list(MODES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.uvloop:
         import uvloop  # noqa: PLC0415 - optional

@@ -10,7 +10,13 @@ median rate, the ratio against aio-pika *unconfirmed* and against pika
 time of this process and of the broker's ``beam.smp``, divided by messages).
 
     python bench/publish.py [--messages 20000] [--window 1000] [--rounds 3] [--uvloop]
-                            [--label after] [--json results.json]
+                            [--label after] [--json results.json] [--tracing]
+
+``--tracing`` adds, for each reliable_mq variant, three rows measured in a fresh
+child process each, interleaved with the others round by round: opentelemetry
+not importable, the API without an SDK (the default), and an SDK sampling
+everything into a no-op exporter (see ``bench/_tracing_modes.py``). Without it
+the run is the same as before.
 
 ``--json`` writes the medians for ``bench/plot.py`` and ``bench/report.py`` (the
 chart and the tables in docs/performance.md), with the reliable_mq it imported
@@ -34,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import _provenance
+import _tracing_modes
 import aio_pika
 import pika
 from prometheus_client import CollectorRegistry
@@ -92,24 +99,31 @@ async def pika_unconfirmed(queue: str, count: int, window: int) -> None:
     await asyncio.to_thread(run)
 
 
+TRACER_PROVIDER: object | None = None
+"""Set in a ``--child sdk`` process only: the SDK provider every reliable_mq variant gets."""
+
+
 def _settings(window: int) -> PublisherSettings:
     return PublisherSettings(max_in_flight=window)
 
 
+def _publisher(window: int) -> ReliablePublisher:
+    traced = {"tracer_provider": TRACER_PROVIDER} if TRACER_PROVIDER is not None else {}
+    return ReliablePublisher(
+        URL, settings=_settings(window), registry=CollectorRegistry(), **traced
+    )
+
+
 async def rmq_publish_many(queue: str, count: int, window: int) -> None:
     """reliable_mq ``publish_many()``: the stream API."""
-    async with ReliablePublisher(
-        URL, settings=_settings(window), registry=CollectorRegistry()
-    ) as publisher:
+    async with _publisher(window) as publisher:
         message = reliable_mq.Message
         await publisher.publish_many(message(BODY, routing_key=queue) for _ in range(count))
 
 
 async def rmq_gather(queue: str, count: int, window: int) -> None:
     """reliable_mq ``publish()`` calls gathered in chunks of ``window``."""
-    async with ReliablePublisher(
-        URL, settings=_settings(window), registry=CollectorRegistry()
-    ) as publisher:
+    async with _publisher(window) as publisher:
         for start in range(0, count, window):
             await asyncio.gather(
                 *(
@@ -121,9 +135,7 @@ async def rmq_gather(queue: str, count: int, window: int) -> None:
 
 async def rmq_enqueue(queue: str, count: int, window: int) -> None:
     """reliable_mq ``enqueue()`` in a loop, then one ``flush()``."""
-    async with ReliablePublisher(
-        URL, settings=_settings(window), registry=CollectorRegistry()
-    ) as publisher:
+    async with _publisher(window) as publisher:
         for _ in range(count):
             await publisher.enqueue(BODY, routing_key=queue)
         await publisher.flush()
@@ -200,6 +212,8 @@ async def measure(run: Variant, count: int, window: int) -> Sample:
         started = time.perf_counter()
         await run(queue, count, window)
         await wait_for_depth(channel, queue, count)
+        if TRACER_PROVIDER is not None:  # the spans still queued are part of the cost
+            TRACER_PROVIDER.force_flush()  # type: ignore[attr-defined]
         seconds = time.perf_counter() - started
         cpu = time.process_time() - cpu_before
         broker_after = broker_cpu_seconds()
@@ -215,13 +229,60 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+async def child(args: argparse.Namespace) -> None:
+    """One measurement of ``args.variant`` in tracing mode ``args.child`` (see ``--tracing``)."""
+    global TRACER_PROVIDER  # noqa: PLW0603 - this process measures one set-up
+    _tracing_modes.check_mode(args.child)
+    TRACER_PROVIDER = _tracing_modes.provider(args.child)
+    sample = await measure(VARIANTS[args.variant][0], args.messages, args.window)
+    _tracing_modes.emit(sample.__dict__, args.messages, TRACER_PROVIDER)
+
+
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    return [
+        "--messages",
+        str(args.messages),
+        "--window",
+        str(args.window),
+        *(["--uvloop"] if args.uvloop else []),
+    ]
+
+
+TRACED = [name for name in VARIANTS if name.startswith("reliable_mq")]
+"""The variants ``--tracing`` measures in each mode."""
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.child:
+        await child(args)
+        return
     origin = _provenance.origin(reliable_mq, args.label)
     print(_provenance.describe(origin), flush=True)
+    confirms = {name: confirmed for name, (_, confirmed) in VARIANTS.items()}
     samples: dict[str, list[Sample]] = {name: [] for name in VARIANTS}
-    for _ in range(args.rounds):
+    if args.tracing:
+        for name in TRACED:
+            for mode in _tracing_modes.MODES:
+                samples[_tracing_modes.row_name(name, mode)] = []
+                confirms[_tracing_modes.row_name(name, mode)] = True
+    for round_no in range(args.rounds):
         for name, (run, _) in VARIANTS.items():
             samples[name].append(await measure(run, args.messages, args.window))
+        if args.tracing:  # the modes' order turns round by round: no mode always runs first
+            modes = _tracing_modes.MODES[round_no % 3 :] + _tracing_modes.MODES[: round_no % 3]
+            for name in TRACED:
+                for mode in modes:
+                    found = await asyncio.to_thread(
+                        _tracing_modes.run_child, __file__, mode, name, _child_argv(args)
+                    )
+                    spans = found.pop("spans_per_message")
+                    samples[_tracing_modes.row_name(name, mode)].append(Sample(**found))
+                    print(
+                        f"round {round_no + 1}: {_tracing_modes.row_name(name, mode):<72} "
+                        f"{found['rate']:>8,.0f} msgs/s {found['client_us']:>6.1f} µs client "
+                        f"CPU/msg, {spans:.2f} spans/msg",
+                        flush=True,
+                    )
     rates = {name: statistics.median(s.rate for s in found) for name, found in samples.items()}
     aio = rates[AIO_UNCONFIRMED]
     pik = rates[PIKA_UNCONFIRMED]
@@ -231,8 +292,9 @@ async def main(args: argparse.Namespace) -> None:
         f"window {args.window}, {args.rounds} interleaved round(s), medians; loop: {loop_name}; "
         f"threads: {threading.active_count()}\n{_provenance.describe(origin)}"
     )
+    width = max(40, *(len(name) for name in samples))
     header = (
-        f"{'variant':<40} {'confirms':>8} {'msgs/s':>9} {'vs aio-pika':>12} "
+        f"{'variant':<{width}} {'confirms':>8} {'msgs/s':>9} {'vs aio-pika':>12} "
         f"{'vs pika':>8} {'client µs/msg':>14} {'broker µs/msg':>14}"
     )
     print(header)
@@ -241,24 +303,31 @@ async def main(args: argparse.Namespace) -> None:
     for name, found_samples in samples.items():
         client = _median([s.client_us for s in found_samples])
         broker = _median([s.broker_us for s in found_samples])
-        confirmed = "yes" if VARIANTS[name][1] else "no"
+        confirmed = "yes" if confirms[name] else "no"
         broker_text = f"{broker:>14.1f}" if broker is not None else f"{'n/a':>14}"
         print(
-            f"{name:<40} {confirmed:>8} {rates[name]:>9,.0f} {rates[name] / aio:>11.2f}x "
+            f"{name:<{width}} {confirmed:>8} {rates[name]:>9,.0f} {rates[name] / aio:>11.2f}x "
             f"{rates[name] / pik:>7.2f}x {client or 0:>14.1f} {broker_text}"
         )
         rows.append(
             {
                 "variant": name,
-                "confirms": VARIANTS[name][1],
+                "confirms": confirms[name],
                 "rate": rates[name],
                 "vs_aio_pika": rates[name] / aio,
                 "vs_pika": rates[name] / pik,
                 "client_us": client,
                 "broker_us": broker,
                 "rounds": [s.__dict__ for s in found_samples],
+                "spans_per_message": _tracing_modes.spans_per_message(name),
             }
         )
+    if args.tracing:
+        client_us = {row["variant"]: row["client_us"] for row in rows}
+        print("\n".join(_tracing_modes.summary(TRACED, client_us, "client CPU", "µs/msg")))
+        print("\n".join(_tracing_modes.summary(TRACED, rates, "rate", "msgs/s")))
+        per_round = {row: [s.client_us for s in found] for row, found in samples.items()}
+        print("\n".join(_tracing_modes.paired(TRACED, per_round, "client CPU")))
     if args.json:
         with open(args.json, "w") as out:  # noqa: ASYNC230 - once, after the measurements
             json.dump(
@@ -285,6 +354,14 @@ def cli() -> None:
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop (if installed)")
     parser.add_argument("--label", help="a name for this run in the JSON (default: the commit)")
     parser.add_argument("--json", help="also write the medians to this file")
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also each reliable_mq variant without opentelemetry, with the API only, and "
+        "with an SDK sampling everything, each in a child process",
+    )
+    parser.add_argument("--child", choices=_tracing_modes.MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.uvloop:
         import uvloop  # noqa: PLC0415 - optional

@@ -22,6 +22,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import _tracing_modes
+
 AIO_UNCONFIRMED = "aio-pika, no confirms"
 PIKA_UNCONFIRMED = "pika BlockingConnection, no confirms"
 AIO_AUTO = "aio-pika auto-ack"
@@ -274,6 +276,50 @@ def profile_section(profiles: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def tracing_section(runs: list[dict[str, Any]]) -> list[str]:
+    """The "Overhead" table of docs/tracing.md from ``--tracing`` runs (any bench's JSON)."""
+    rows: list[list[str]] = []
+    for run in runs:
+        key = "mode" if run["bench"] == "consume" else "variant"
+        found = _rows(run, key)
+        for name in found:
+            measured = [found.get(_tracing_modes.row_name(name, m)) for m in _tracing_modes.MODES]
+            if any(row is None for row in measured):
+                continue
+            absent, api, sdk = (float(row["client_us"]) for row in measured if row is not None)
+            spans = measured[2].get("spans_per_message") if measured[2] else None
+            rows.append(
+                [
+                    f"{run['bench']}, {name}",
+                    f"{absent:.1f} µs",
+                    f"{api:.1f} µs",
+                    f"{sdk:.1f} µs",
+                    f"{(api / absent - 1) * 100:+.1f}%",
+                    f"{sdk - api:+.1f} µs",
+                    _num(spans, ".2f"),
+                ]
+            )
+    header = [
+        "bench, variant",
+        "not importable",
+        "API only",
+        "SDK",
+        "API only vs not importable",
+        "SDK vs API only",
+        "spans per message (SDK)",
+    ]
+    runs_text = "; ".join(
+        f"{run['bench']}: {run['messages']:,} messages per run, medians of {run['rounds']} "
+        f"interleaved round(s), reliable_mq {_origin(run)}"
+        for run in runs
+    )
+    return [
+        f"Client CPU per message, each set-up in a child process. {runs_text}.",
+        "",
+        *_table(header, rows),
+    ]
+
+
 def render(args: argparse.Namespace) -> str:
     parts: list[list[str]] = []
     if args.image:
@@ -284,6 +330,8 @@ def render(args: argparse.Namespace) -> str:
         parts.append(consume_section([load(path) for path in args.consume]))
     if args.profile:
         parts.append(profile_section([load(path) for path in args.profile]))
+    if args.tracing:
+        parts.append(tracing_section([load(path) for path in args.tracing]))
     return "\n\n".join("\n".join(part) for part in parts) + "\n"
 
 
@@ -293,12 +341,18 @@ def cli() -> None:
     parser.add_argument("--consume", nargs="+", metavar="JSON", help="before (optional), after")
     parser.add_argument("--profile", nargs="+", metavar="JSON", help="profile runs, in order")
     parser.add_argument("--image", help="link this chart (bench/plot.py) at the top")
+    parser.add_argument(
+        "--tracing",
+        nargs="+",
+        metavar="JSON",
+        help="runs with --tracing (publish, consume, sync_publish): the tracing overhead table",
+    )
     args = parser.parse_args()
     for option in ("publish", "consume"):
         if getattr(args, option) and len(getattr(args, option)) > 2:
             parser.error(f"--{option} takes one run, or two: before and after")
-    if not (args.publish or args.consume or args.profile):
-        parser.error("nothing to render: give --publish, --consume and/or --profile")
+    if not (args.publish or args.consume or args.profile or args.tracing):
+        parser.error("nothing to render: give --publish, --consume, --profile and/or --tracing")
     print(render(args), end="")
 
 

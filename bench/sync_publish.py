@@ -15,13 +15,21 @@ persistent 256-byte messages:
 CPU is this process's (all threads) per message; the broker's is not counted.
 Compare figures from one run only: rates drift by 25% or more between runs.
 
-    python bench/sync_publish.py [--messages 20000] [--threads 8] [--rounds 1]
+    python bench/sync_publish.py [--messages 20000] [--threads 8] [--rounds 1] [--tracing]
+                                 [--json results.json]
+
+``--tracing`` adds, for the two ``BlockingPublisher`` variants, three rows measured in
+a fresh child process each, interleaved with the others round by round:
+opentelemetry not importable, the API without an SDK (the default), and an SDK
+sampling everything into a no-op exporter through a ``BatchSpanProcessor``
+(see ``bench/_tracing_modes.py``). Without it the run is the same as before.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import threading
 import time
@@ -29,13 +37,23 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+import _provenance
+import _tracing_modes
 import pika
 from prometheus_client import CollectorRegistry
 
+import reliable_mq
 from reliable_mq import BlockingPublisher, Message, PublisherSettings, ReliablePublisher
 
 URL = "amqp://guest:guest@127.0.0.1:5672/"
 BODY = b"x" * 256
+
+TRACER_PROVIDER: object | None = None
+"""Set in a ``--child sdk`` process only: the SDK provider the BlockingPublisher gets."""
+
+
+def _traced() -> dict[str, object]:
+    return {"tracer_provider": TRACER_PROVIDER} if TRACER_PROVIDER is not None else {}
 
 
 class Sample(NamedTuple):
@@ -56,6 +74,8 @@ class Clock:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if TRACER_PROVIDER is not None:  # the spans still queued are part of the cost
+            TRACER_PROVIDER.force_flush()  # type: ignore[attr-defined]
         self.seconds = time.perf_counter() - self._wall
         self.cpu = time.process_time() - self._cpu
 
@@ -77,7 +97,7 @@ def async_stream(queue: str, count: int, threads: int, clock: Clock) -> None:
 
 def blocking_stream(queue: str, count: int, threads: int, clock: Clock) -> None:
     """BlockingPublisher.publish_many over a generator, from this thread."""
-    with BlockingPublisher(URL, registry=CollectorRegistry()) as publisher:
+    with BlockingPublisher(URL, registry=CollectorRegistry(), **_traced()) as publisher:
         with clock:
             publisher.publish_many(_messages(queue, count))
 
@@ -111,7 +131,9 @@ def _split(count: int, threads: int) -> list[int]:
 def blocking_threads(queue: str, count: int, threads: int, clock: Clock) -> None:
     """BlockingPublisher.publish(), one confirmed message at a time, from N threads."""
     settings = PublisherSettings(persistent=True)
-    with BlockingPublisher(URL, settings=settings, registry=CollectorRegistry()) as publisher:
+    with BlockingPublisher(
+        URL, settings=settings, registry=CollectorRegistry(), **_traced()
+    ) as publisher:
 
         def work(n: int) -> None:
             for _ in range(n):
@@ -198,12 +220,65 @@ def measure(run: Variant, count: int, threads: int) -> Sample:
     return Sample(count / clock.seconds, clock.cpu / count * 1e6)
 
 
+TRACED: dict[str, Variant] = {
+    "blocking_stream": blocking_stream,
+    "blocking_threads": blocking_threads,
+}
+"""The variants ``--tracing`` measures in each tracing set-up, by function name."""
+
+
+def child(args: argparse.Namespace) -> None:
+    """One measurement of ``args.variant`` in tracing mode ``args.child`` (see ``--tracing``)."""
+    global TRACER_PROVIDER  # noqa: PLW0603 - this process measures one set-up
+    _tracing_modes.check_mode(args.child)
+    TRACER_PROVIDER = _tracing_modes.provider(args.child)
+    sample = measure(TRACED[args.variant], args.messages, args.threads)
+    _tracing_modes.emit(sample._asdict(), args.messages, TRACER_PROVIDER)
+
+
+def _traced_round(
+    args: argparse.Namespace,
+    round_no: int,
+    plan: list[tuple[str, Variant, int]],
+    samples: dict[str, list[Sample]],
+) -> None:
+    """Each traced variant in each tracing set-up, in a child process; the set-ups' order
+    turns round by round, so no set-up always runs first."""
+    modes = _tracing_modes.MODES[round_no % 3 :] + _tracing_modes.MODES[: round_no % 3]
+    argv = ["--messages", str(args.messages), "--threads", str(args.threads)]
+    for name, run, _ in plan:
+        if run.__name__ not in TRACED:
+            continue
+        for mode in modes:
+            row = _tracing_modes.row_name(name, mode)
+            found = _tracing_modes.run_child(__file__, mode, run.__name__, argv, row)
+            spans = found.pop("spans_per_message")
+            samples.setdefault(row, []).append(Sample(**found))
+            print(
+                f"round {round_no + 1}: {row:<80} {found['rate']:>9,.0f} msgs/s "
+                f"{found['cpu_us']:>6.1f} us CPU/msg, {spans:.2f} spans/msg",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1, help="repeat and report the median")
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also the BlockingPublisher variants without opentelemetry, with the API only, "
+        "and with an SDK sampling everything, each in a child process",
+    )
+    parser.add_argument("--json", help="also write the medians to this file")
+    parser.add_argument("--child", choices=_tracing_modes.MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=list(TRACED), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
     slow = max(args.messages // 10, 200)  # one-at-a-time variants: fewer messages, same rate
     plan: list[tuple[str, Variant, int]] = [
         ("async publish_many (stream)", async_stream, args.messages),
@@ -214,19 +289,22 @@ def main() -> None:
         (f"pika confirm_delivery, {args.threads} threads x 1 conn", pika_threads, slow),
     ]
     samples: dict[str, list[Sample]] = {name: [] for name, _, _ in plan}
-    for _ in range(args.rounds):
+    for round_no in range(args.rounds):
         for name, run, count in plan:
             samples[name].append(measure(run, count, args.threads))
+        if args.tracing:
+            _traced_round(args, round_no, plan, samples)
     rate = {name: statistics.median(s.rate for s in values) for name, values in samples.items()}
     cpu = {name: statistics.median(s.cpu_us for s in values) for name, values in samples.items()}
     names = [name for name, _, _ in plan]
+    width = max(46, *(len(name) for name in samples))
     print(
         f"sync publish: persistent 256-byte messages, durable queue, {args.rounds} round(s), "
         f"median; {args.messages} per stream/threaded variant, {slow} per pika variant"
     )
-    print(f"{'variant':<46} {'msgs/s':>10} {'CPU us/msg':>11}")
-    for name in names:
-        print(f"{name:<46} {rate[name]:>10,.0f} {cpu[name]:>11.0f}")
+    print(f"{'variant':<{width}} {'msgs/s':>10} {'CPU us/msg':>11}")
+    for name in samples:
+        print(f"{name:<{width}} {rate[name]:>10,.0f} {cpu[name]:>11.1f}")
     stream = rate[names[1]] / rate[names[0]]
     versus_pika = rate[names[2]] / rate[names[4]]
     ceiling = rate[names[3]] / rate[names[4]]
@@ -237,6 +315,48 @@ def main() -> None:
     print(
         f"async publish() x{args.threads} coroutines / pika 1 at a time: {ceiling:.2f}x (ceiling)"
     )
+
+    if args.tracing:
+        traced = [name for name, run, _ in plan if run.__name__ in TRACED]
+        print("\n".join(_tracing_modes.summary(traced, cpu, "CPU", "µs/msg")))
+        print("\n".join(_tracing_modes.summary(traced, rate, "rate", "msgs/s")))
+        per_round = {row: [s.cpu_us for s in found] for row, found in samples.items()}
+        print("\n".join(_tracing_modes.paired(traced, per_round, "CPU")))
+    if args.json:
+        _write_json(args, samples, rate, cpu)
+
+
+def _write_json(
+    args: argparse.Namespace,
+    samples: dict[str, list[Sample]],
+    rate: dict[str, float],
+    cpu: dict[str, float],
+) -> None:
+    rows = [
+        {
+            "variant": name,
+            "rate": rate[name],
+            "client_us": cpu[name],
+            "spans_per_message": _tracing_modes.spans_per_message(name),
+            "rounds": [sample._asdict() for sample in found],
+        }
+        for name, found in samples.items()
+    ]
+    origin = _provenance.origin(reliable_mq)
+    with open(args.json, "w") as out:
+        json.dump(
+            {
+                "bench": "sync_publish",
+                "label": origin["label"],
+                "reliable_mq": origin,
+                "messages": args.messages,
+                "threads": args.threads,
+                "rounds": args.rounds,
+                "rows": rows,
+            },
+            out,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":
