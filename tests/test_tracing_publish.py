@@ -63,7 +63,7 @@ class TestBatchSpan:
     async def test_one_producer_span_counted_and_ended_after_the_last_confirm(
         self, broker_url: str, queue: str, spans: Spans, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """``publish {queue}``, PRODUCER, child of the caller's span, with the message
+        """``publish {queue}``, CLIENT (create spans on), child of the caller's span, with the message
         count; it ends once every message is confirmed, before ``publish_many`` returns."""
         confirmed: list[int] = []
         succeeded = batch_module.Batch.succeeded
@@ -83,7 +83,7 @@ class TestBatchSpan:
         assert result.confirmed == 5 and len(confirmed) == 5
         span = the_batch(spans)
         assert span.name == f"publish {queue}"
-        assert span.kind is SpanKind.PRODUCER
+        assert span.kind is SpanKind.CLIENT, "each message has its own creation context"
         assert span.parent is not None
         assert (span.parent.trace_id, span.parent.span_id) == ids(request)
         assert span.status.status_code is StatusCode.UNSET
@@ -194,6 +194,7 @@ class TestBatchSpan:
                 ]
             )
         batch = the_batch(spans)
+        assert batch.kind is SpanKind.PRODUCER, "its context is the messages' creation context"
         assert spans.named("create ") == []
         assert [(link.attributes or {})["messaging.message.id"] for link in batch.links] == ["own"]
         received = {
@@ -398,7 +399,7 @@ class TestBlockingPublishMany:
         assert set(by_parent) == set(parents.values())
         for name, parent in parents.items():
             batch = by_parent[parent]
-            assert batch.kind is SpanKind.PRODUCER
+            assert batch.kind is SpanKind.CLIENT
             assert (batch.attributes or {})["messaging.batch.message_count"] == 2
             creates = [
                 s

@@ -2,7 +2,7 @@
 
 Only built when tracing is on (`reliable_mq._tracing.Tracing.tracer` gave a tracer):
 with it off, the publisher never calls into this module. The OpenTelemetry calls
-themselves are in `reliable_mq._tracing` (the one module that imports it); this
+themselves are in `reliable_mq._tracing` (the one package that imports it); this
 module decides which span a message gets and when it ends.
 """
 
@@ -117,7 +117,8 @@ def _traced(
 class BatchTrace:
     """The spans of one ``publish_many()`` call.
 
-    One PRODUCER span for the call, started in the caller's context and ended once
+    One span for the call (PRODUCER when its context is the messages' creation
+    context, that is with ``create`` spans off; CLIENT otherwise, as the conventions ask), started in the caller's context and ended once
     every outcome is known (`run`). Each message read gets a creation context
     before it is encoded (see `reliable_mq._tracing.batch_message`): the
     ``traceparent`` it carries, else a ``create`` span of its own (``create_spans``),
@@ -131,7 +132,7 @@ class BatchTrace:
         self._tracer = tracer
         self._url = url
         self._create = create_spans
-        self._span = start_batch(tracer, url)  # None: the tracer failed (logged once)
+        self._span = start_batch(tracer, url, creation_context=not create_spans)  # None: the tracer failed (logged once)
         self._route: tuple[str, str] | None = None
         self._mixed = False
         self._links = 0

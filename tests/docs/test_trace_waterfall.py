@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import inspect
 import os
 import re
 import sys
@@ -72,20 +71,14 @@ async def _table(pg: PrivatePostgres) -> AsyncIterator[str]:
         await conn.execute(f"DROP TABLE {name}")
 
 
-def _relay(dsn: str, publisher: ReliablePublisher, table: str, provider: Any) -> OutboxRelay:
-    """The relay, given the tracer provider too once it takes one (other branches add it)."""
-    traced = (
-        {"tracer_provider": provider}
-        if "tracer_provider" in inspect.signature(OutboxRelay).parameters
-        else {}
-    )
+def _relay(dsn: str, publisher: ReliablePublisher, table: str) -> OutboxRelay:
+    """The relay over ``publisher``, which carries the tracer provider."""
     return OutboxRelay(
         dsn,
         publisher,
         settings=RelaySettings(poll_interval=0.2),
         table=table,
         registry=CollectorRegistry(),
-        **traced,
     )
 
 
@@ -127,7 +120,7 @@ async def record_scenario(
                         conn, {"order": 2}, routing_key=queue, message_id="order-2", table=table
                     )
                     await conn.commit()
-            async with _relay(dsn, publisher, table, provider) as relay:
+            async with _relay(dsn, publisher, table) as relay:
                 while not await relay.run_once():
                     await asyncio.sleep(0.05)
             await _until(lambda: len(handled) == 2)

@@ -229,7 +229,7 @@ class TestOutboxTrace:
         [process] = spans.named("process ")
         assert process.kind is SpanKind.CONSUMER
         assert span_links(process) == [context]
-        publishes = [s for s in spans.named("publish") if s.kind is SpanKind.PRODUCER]
+        publishes = [s for s in spans.named("publish") if s.kind is SpanKind.CLIENT]
         assert len(publishes) == 1, "one batch span for the relay's one batch"
         [batch] = publishes
         assert batch.name == f"publish {queue}"
