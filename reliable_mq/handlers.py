@@ -143,6 +143,9 @@ class BatchFailed(Exception):
         self.failures = dict(failures)
         super().__init__(f"{len(self.failures)} message(s) of the batch failed")
 
+    def __reduce__(self) -> tuple[type[BatchFailed], tuple[dict[int | str, BaseException]]]:
+        return type(self), (self.failures,)
+
 
 class BodyDecodeError(Exception):
     """The body does not match the handler's annotation (bad JSON, schema, content type)."""

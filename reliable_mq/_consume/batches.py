@@ -160,6 +160,7 @@ class Batcher:
                 async with self.slots:
                     causes = await self._run(batch)
         except BaseException:
+            self._close(batch)
             self._orphaned(batch)
             raise
         finally:
