@@ -141,6 +141,166 @@ class TestCauses:
         assert isinstance(causes[0].error, LookupError)
 
 
+@pytest.mark.unit
+class TestGathering:
+    """`Batcher.join` on its own: tickets and a route reduced to what it reads (no broker)."""
+
+    async def test_max_size_closes_the_batch_and_each_gets_its_cause(self) -> None:
+        """5 joins at max_size=3: a batch of 3 at once, a batch of 2 after max_wait."""
+        calls: list[list[str]] = []
+
+        async def handler(items: list[Delivery]) -> None:
+            calls.append([d.message_id for d in items])
+            if len(items) == 2:
+                raise BatchFailed({"e": Retry("again")})
+
+        batcher, route = _live_batcher(handler, max_size=3, max_wait=0.2)
+        session = _Session()
+        started = time.perf_counter()
+        causes = await asyncio.gather(
+            *(batcher.join(_ticket(session, mid), None) for mid in "abcde")
+        )
+        assert calls == [["a", "b", "c"], ["d", "e"]]
+        assert [c.outcome for c in causes] == [Outcome.RETURNED] * 4 + [Outcome.RETRY_SIGNAL]
+        assert time.perf_counter() - started >= 0.2  # the second batch waited for max_wait
+        assert route.running == {}  # every id released once its call ended
+
+    async def test_ids_run_from_joining_until_the_call_ends(self) -> None:
+        """An id counts as running while its batch gathers and runs (a copy is deferred)."""
+        release = asyncio.Event()
+
+        async def handler(items: list[Delivery]) -> None:
+            await release.wait()
+
+        batcher, route = _live_batcher(handler, max_size=10, max_wait=0.05)
+        task = asyncio.ensure_future(batcher.join(_ticket(_Session(), "a"), None))
+        await asyncio.sleep(0)
+        assert route.running == {"a": 1}
+        await asyncio.sleep(0.1)  # past max_wait: the call runs
+        assert route.running == {"a": 1}
+        release.set()
+        assert (await task).outcome is Outcome.RETURNED
+        assert route.running == {}
+
+    async def test_timeout_cuts_the_call_for_every_delivery(self) -> None:
+        """handler_timeout applies to the batch's call: each delivery times out."""
+
+        async def handler(items: list[Delivery]) -> None:
+            await asyncio.sleep(10)
+
+        batcher, _ = _live_batcher(handler, max_size=2, max_wait=0.01, handler_timeout=0.1)
+        session = _Session()
+        causes = await asyncio.wait_for(
+            asyncio.gather(*(batcher.join(_ticket(session, m), None) for m in "ab")), 5
+        )
+        assert [c.outcome for c in causes] == [Outcome.TIMED_OUT] * 2
+
+    async def test_a_timeout_error_of_the_handler_is_an_error(self) -> None:
+        """A TimeoutError the handler raises itself is a handler error, not our timeout."""
+
+        async def handler(items: list[Delivery]) -> None:
+            raise TimeoutError("the database timed out")
+
+        batcher, _ = _live_batcher(handler, max_size=1, max_wait=0.01, handler_timeout=5)
+        cause = await batcher.join(_ticket(_Session(), "a"), None)
+        assert cause.outcome is Outcome.RAISED
+
+    async def test_leader_cancelled_settles_its_followers(self) -> None:
+        """The leader's task cancelled (a shutdown): followers get SHUTDOWN, not a hang."""
+        started = asyncio.Event()
+
+        async def handler(items: list[Delivery]) -> None:
+            started.set()
+            await asyncio.sleep(10)
+
+        batcher, shared_route = _live_batcher(handler, max_size=3, max_wait=0.01)
+        session = _Session()
+        leader = asyncio.ensure_future(batcher.join(_ticket(session, "a"), None))
+        await asyncio.sleep(0)
+        followers = [asyncio.ensure_future(batcher.join(_ticket(session, m), None)) for m in "bc"]
+        await asyncio.wait_for(started.wait(), 5)
+        batcher.shared.stopping = True
+        leader.cancel()
+        causes = await asyncio.wait_for(asyncio.gather(*followers), 5)
+        assert [c.outcome for c in causes] == [Outcome.SHUTDOWN] * 2
+        with pytest.raises(asyncio.CancelledError):
+            await leader
+        assert shared_route.running == {}
+
+    async def test_flush_runs_the_open_batch_now(self) -> None:
+        """`flush` (the consumer stopping) does not wait for max_wait."""
+        calls: list[int] = []
+
+        async def handler(items: list[Delivery]) -> None:
+            calls.append(len(items))
+
+        batcher, _ = _live_batcher(handler, max_size=10, max_wait=60)
+        session = _Session()
+        joined = [asyncio.ensure_future(batcher.join(_ticket(session, m), None)) for m in "ab"]
+        await asyncio.sleep(0.01)
+        batcher.flush()
+        await asyncio.wait_for(asyncio.gather(*joined), 5)
+        assert calls == [2]
+
+    async def test_a_new_channel_starts_a_new_batch(self) -> None:
+        """Deliveries of two channels never share a batch."""
+        calls: list[list[str]] = []
+
+        async def handler(items: list[Delivery]) -> None:
+            calls.append([d.message_id for d in items])
+
+        batcher, _ = _live_batcher(handler, max_size=10, max_wait=0.05)
+        first, second = _Session(), _Session()
+        await asyncio.gather(
+            batcher.join(_ticket(first, "a"), None), batcher.join(_ticket(second, "b"), None)
+        )
+        assert sorted(calls) == [["a"], ["b"]]
+
+
+class _Session:
+    def dead(self) -> bool:
+        return False
+
+
+class _Route:
+    def __init__(self, spec: Any, handler: Any) -> None:
+        self.spec = spec
+        self.handler = handler
+        self.threads = None
+        self.running: dict[str, int] = {}
+        self.metrics = SimpleNamespace(handlers_running=0, handler_ended=lambda seconds: None)
+
+    def handler_ended(self, message_id: str) -> None:
+        count = self.running[message_id] - 1
+        if count:
+            self.running[message_id] = count
+        else:
+            del self.running[message_id]
+
+    def ack_lost(self, message_id: str, attempt: int) -> None:
+        raise AssertionError("not in these tests")
+
+
+def _ticket(session: _Session, message_id: str) -> Any:
+    delivery = SimpleNamespace(message_id=message_id, attempt=1)
+    return SimpleNamespace(
+        session=session, delivery=delivery, admitted=time.perf_counter(), settled=False
+    )
+
+
+def _live_batcher(
+    handler: Any, *, max_size: int, max_wait: float, handler_timeout: float | None = None
+) -> tuple[Batcher, _Route]:
+    router = Router()
+    router.add_batch_handler("q", handler, max_size=max_size, max_wait=max_wait)
+    route = _Route(router.handlers[0], handler)
+    settings = ConsumerSettings(handler_timeout=handler_timeout)
+    shared = SimpleNamespace(
+        settings=settings, broker_cut=None, stopping=False, consumer_timeout=None
+    )
+    return Batcher(route, shared), route  # type: ignore[arg-type]
+
+
 def _batcher(ids: list[str]) -> tuple[Batcher, _Batch]:
     """A batcher and a batch of tickets reduced to what `Batcher._failed` reads."""
     router = Router()
