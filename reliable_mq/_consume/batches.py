@@ -147,7 +147,7 @@ class Batcher:
     async def _lead(self, batch: _Batch) -> Cause:
         """The leader's part: wait for the batch, run it, hand each follower its cause."""
         try:
-            if not batch.full.is_set():
+            if not batch.full.is_set() and not self.shared.stopping:  # stopping: run now
                 try:
                     async with asyncio.timeout(self.max_wait):
                         await batch.full.wait()
