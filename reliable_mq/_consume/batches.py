@@ -209,6 +209,7 @@ class Batcher:
             on_end = partial(_thread_ended, route, tickets)
             call = threads.run(spec.func, *args, on_end=on_end)  # type: ignore[arg-type]
         metrics = route.metrics
+        metrics.batch_sizes.observe(size)
         metrics.handlers_running += 1
         deadline = asyncio.timeout(timeout)
         task = asyncio.current_task()

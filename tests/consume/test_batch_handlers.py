@@ -161,6 +161,7 @@ class TestGathering:
             *(batcher.join(_ticket(session, mid), None) for mid in "abcde")
         )
         assert calls == [["a", "b", "c"], ["d", "e"]]
+        assert route.sizes == [3, 2]  # the batch-size histogram's observations
         assert [c.outcome for c in causes] == [Outcome.RETURNED] * 4 + [Outcome.RETRY_SIGNAL]
         assert time.perf_counter() - started >= 0.2  # the second batch waited for max_wait
         assert route.running == {}  # every id released once its call ended
@@ -268,7 +269,12 @@ class _Route:
         self.handler = handler
         self.threads = None
         self.running: dict[str, int] = {}
-        self.metrics = SimpleNamespace(handlers_running=0, handler_ended=lambda seconds: None)
+        self.sizes: list[int] = []
+        self.metrics = SimpleNamespace(
+            handlers_running=0,
+            handler_ended=lambda seconds: None,
+            batch_sizes=SimpleNamespace(observe=self.sizes.append),
+        )
 
     def handler_ended(self, message_id: str) -> None:
         count = self.running[message_id] - 1
@@ -351,6 +357,10 @@ class TestBatches:
             await consumer.stop()
         assert calls == [ids]  # one call, in queue order
         assert consumer.stats().ack_frames == 1
+        labels = {"queue": env.queue}
+        sample = env.registry.get_sample_value
+        assert sample("reliable_mq_handler_batch_size_count", labels) == 1
+        assert sample("reliable_mq_handler_batch_size_sum", labels) == 50
         assert await drain(env.queue) == []
 
     async def test_max_wait_runs_a_partial_batch(self, env: Env) -> None:
