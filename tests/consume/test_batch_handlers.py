@@ -26,7 +26,8 @@ from reliable_mq.delivery import Delivery
 from reliable_mq.handlers import AckPolicy, BatchOptions, Reject, Retry, Router
 from reliable_mq.headers import REASON_HEADER
 from reliable_mq.settings import ConsumerSettings
-from tests.consume.test_consumer_broker import Env, _env, drain  # noqa: F401 (_env: fixture)
+from reliable_mq.topology import QueueTopology, declare_topology
+from tests.consume.test_consumer_broker import URL, Env, _env, drain  # noqa: F401 (_env: fixture)
 from tests.support.waiting import wait_until
 
 
@@ -327,8 +328,15 @@ def _batcher(ids: list[str]) -> tuple[Batcher, _Batch]:
 FAST: dict[str, Any] = {"retry_delays": (0.05,), "max_attempts": 2, "dedup": None}
 
 
+async def _declare(env: Env) -> None:
+    """Declare the queue set the consumers below declare (so messages can wait in it)."""
+    topology = QueueTopology(queue=env.queue, retry_delays=(0.05,))
+    env.topologies.append(topology)
+    await declare_topology(URL, topology)
+
+
 async def _start(env: Env, consumer: ReliableConsumer) -> None:
-    env.track(consumer)
+    assert consumer.topology(env.queue) == env.topologies[0]
     await consumer.start()
 
 
@@ -342,6 +350,7 @@ async def _dlq(env: Env) -> Counter[str]:
 class TestBatches:
     async def test_queued_messages_arrive_as_one_call_and_one_ack_frame(self, env: Env) -> None:
         """50 waiting messages reach a max_size=50 handler in one call, acked in one frame."""
+        await _declare(env)
         ids = await env.publish([b"x"] * 50)
         consumer = env.consumer(prefetch=50, **FAST)
         calls: list[list[str]] = []
@@ -365,6 +374,7 @@ class TestBatches:
 
     async def test_max_wait_runs_a_partial_batch(self, env: Env) -> None:
         """3 messages and max_size=100: the batch runs with 3 once max_wait has passed."""
+        await _declare(env)
         await env.publish([b"a", b"b", b"c"])
         consumer = env.consumer(prefetch=100, **FAST)
         calls: list[tuple[float, list[bytes]]] = []
@@ -384,7 +394,10 @@ class TestBatches:
 
     async def test_three_of_500_fail_one_by_one_the_rest_acked_once(self, env: Env) -> None:
         """BatchFailed names 3 of 500: those go down the ladder alone, 497 are acked once."""
-        ids = await env.publish([f'{{"n": {i}}}'.encode() for i in range(500)])
+        await _declare(env)
+        ids = await env.publish(
+            [f'{{"n": {i}}}'.encode() for i in range(500)], content_type="application/json"
+        )
         consumer = env.consumer(prefetch=500, **FAST)
         done: Counter[str] = Counter()
         runs: Counter[str] = Counter()
@@ -423,6 +436,7 @@ class TestBatches:
 
     async def test_a_batch_raising_sends_every_message_down_the_ladder(self, env: Env) -> None:
         """A handler raising for its whole batch: each message retried, then dead-lettered."""
+        await _declare(env)
         await env.publish([b"x"] * 20)
         consumer = env.consumer(prefetch=20, **FAST)
         runs: Counter[str] = Counter()
@@ -443,6 +457,7 @@ class TestBatches:
 
     async def test_handler_timeout_applies_per_batch(self, env: Env) -> None:
         """A batch past handler_timeout is cut; each message is retried, then runs once."""
+        await _declare(env)
         await env.publish([b"x"] * 10)
         consumer = env.consumer(prefetch=10, handler_timeout=0.3, **FAST)
         calls: list[int] = []
@@ -466,6 +481,7 @@ class TestBatches:
 
     async def test_stop_runs_a_partial_batch_at_once(self, env: Env) -> None:
         """stop() does not wait for max_wait: the partial batch runs, and is acked."""
+        await _declare(env)
         await env.publish([b"x"] * 5)
         consumer = env.consumer(prefetch=100, **FAST)
         calls: list[int] = []
@@ -475,7 +491,8 @@ class TestBatches:
             calls.append(len(items))
 
         await _start(env, consumer)
-        await wait_until(lambda: consumer.stats().delivered == 5, what="5 deliveries")
+        # in_progress counts deliveries past their intake: each has joined the batch.
+        await wait_until(lambda: consumer.stats().in_progress == 5, what="5 in the batch")
         started = time.perf_counter()
         await consumer.stop()
         assert time.perf_counter() - started < 10
@@ -485,6 +502,7 @@ class TestBatches:
 
     async def test_stop_past_grace_requeues_the_batch_once(self, env: Env) -> None:
         """A batch still running past shutdown_grace: every message requeued, once."""
+        await _declare(env)
         await env.publish([b"x"] * 30)
         consumer = env.consumer(prefetch=30, **FAST)
         running = asyncio.Event()
@@ -505,6 +523,7 @@ class TestBatches:
 
     async def test_dedup_filters_the_batch(self, env: Env) -> None:
         """Copies of an id done (or in the batch) never reach the handler; they are acked."""
+        await _declare(env)
         await env.publish([b"x"] * 5, ids=["a", "b", "c", "a", "b"])
         store = MemoryDedupStore()
         consumer = env.consumer(prefetch=10, retry_delays=(0.05,), dedup=store)
@@ -526,7 +545,10 @@ class TestBatches:
 
     async def test_def_form_runs_in_a_thread_with_pydantic_rows(self, env: Env) -> None:
         """A plain def over list[Row] runs in a thread; a bad body is dead-lettered alone."""
-        await env.publish([b'{"n": 1}', b'{"n": "nope"}', b'{"n": 3}'])
+        await _declare(env)
+        await env.publish(
+            [b'{"n": 1}', b'{"n": "nope"}', b'{"n": 3}'], content_type="application/json"
+        )
         consumer = env.consumer(prefetch=10, **FAST)
         seen: list[tuple[str, list[Row]]] = []
 
