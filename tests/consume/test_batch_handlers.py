@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from opentelemetry import trace
 from pydantic import BaseModel
 
 from reliable_mq import BatchFailed, InvalidSettings
@@ -29,6 +30,7 @@ from reliable_mq.settings import ConsumerSettings
 from reliable_mq.topology import QueueTopology, declare_topology
 from tests.consume.test_consumer_broker import URL, Env, _env, drain  # noqa: F401 (_env: fixture)
 from tests.support.waiting import wait_until
+from tests.test_tracing import Spans, ids_of
 
 
 class Row(BaseModel):
@@ -565,3 +567,34 @@ class TestBatches:
         assert thread.startswith("reliable_mq:")
         assert rows == [Row(n=1), Row(n=3)]
         assert await _dlq(env) == Counter({"m1:invalid_body": 1})
+
+    async def test_each_delivery_of_a_batch_gets_its_process_span(self, env: Env) -> None:
+        """Tracing: a process span per delivery, one ack span for the batch's frame; the
+        handler runs inside the process span of the batch's first delivery."""
+        spans = Spans()
+        await _declare(env)
+        await env.publish([b"x"] * 5)
+        consumer = ReliableConsumer(
+            env.connection(),
+            registry=env.registry,
+            tracer_provider=spans.provider,
+            prefetch=10,
+            **FAST,
+        )
+        current: list[int] = []
+
+        @consumer.batch_handler(env.queue, max_size=5, max_wait=1.0)
+        async def load(items: list[Delivery]) -> None:
+            current.append(trace.get_current_span().get_span_context().span_id)
+
+        await _start(env, consumer)
+        try:
+            await wait_until(lambda: len(spans.named("ack ")) == 1, what="the ack span")
+        finally:
+            await consumer.stop()
+        processes = spans.named("process ")
+        assert len(processes) == 5
+        first = min(processes, key=lambda p: (p.attributes or {})["messaging.message.id"])
+        assert current == [ids_of(first)[1]]
+        [ack] = spans.named("ack ")
+        assert (ack.attributes or {})["messaging.batch.message_count"] == 5
