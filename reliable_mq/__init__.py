@@ -27,7 +27,7 @@ from .errors import (
     UnsupportedDependency,
     WouldDeadlock,
 )
-from .handlers import AckPolicy, Reject, Retry, Router
+from .handlers import AckPolicy, BatchFailed, Reject, Retry, Router
 from .log import configure_logging
 from .message import Message, MessageOptions
 from .metrics import Metrics
@@ -52,6 +52,7 @@ from .topology import QueueTopology, QueueType, declare_topology
 
 __all__ = (
     "AckPolicy",
+    "BatchFailed",
     "BatchFailure",
     "BatchResult",
     "BlockingPublisher",

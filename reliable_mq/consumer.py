@@ -55,6 +55,7 @@ from typing import Any, Literal, NamedTuple
 from prometheus_client import CollectorRegistry
 
 from ._amqp.faults import AMQP_ERRORS
+from ._consume.batches import check_batch
 from ._consume.dedup_gate import DedupGate
 from ._consume.dispatch import Dispatcher
 from ._consume.route import ChannelKeeper, Route
@@ -258,6 +259,7 @@ class ReliableConsumer(Router):
     def _add_spec(self, spec: HandlerSpec) -> None:
         if self._started:
             raise ConsumerError("register handlers before start()")
+        check_batch(spec, self.settings)
         super()._add_spec(spec)
 
     def stats(self) -> ConsumerStats:
@@ -521,8 +523,10 @@ class ReliableConsumer(Router):
     async def _shutdown(self, grace: float) -> None:
         shared = self._shared
         self._log.info("consumer_stopping", in_progress=shared.active, grace=grace)
-        # 1. No new deliveries.
+        # 1. No new deliveries; partial batches run now.
         for route in self._routes.values():
+            if route.batcher is not None:
+                route.batcher.flush()
             session = route.session
             if session is not None and session.alive and session.consumer_tag:
                 with contextlib.suppress(*AMQP_ERRORS):

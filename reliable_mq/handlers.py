@@ -19,6 +19,10 @@ dead-lettered at once with the error in its headers; the handler never runs.
 That holds whatever the decoder raises (a validator's own ``KeyError``, JSON
 nested too deeply); only a ``MemoryError`` is retried instead.
 
+A batch handler (`Router.batch_handler`) takes a list instead: ``list[Model]``,
+``list[bytes]``, ``list[Delivery]``, or ``(bodies, deliveries)``; it fails single
+messages of its batch by raising `BatchFailed`.
+
 Handlers steer the outcome by raising `Retry` (delayed retry) or
 `Reject` (dead-letter now). These are control-flow signals, not errors:
 they do not derive from [`ReliableMQError`][reliable_mq.errors.ReliableMQError].
@@ -29,9 +33,10 @@ from __future__ import annotations
 import enum
 import inspect
 import json
+import math
 import typing
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict, TypeVar, Unpack
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -43,6 +48,8 @@ from .topology import QueueType
 __all__ = (
     "AckPolicy",
     "AsyncHandlerFunc",
+    "BatchFailed",
+    "BatchOptions",
     "BodyDecodeError",
     "HandlerDedup",
     "HandlerFunc",
@@ -116,6 +123,28 @@ class Reject(Exception):
     def __init__(self, reason: str = "rejected by handler") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class BatchFailed(Exception):
+    """Raise in a batch handler to fail some messages of its batch; the rest are acked.
+
+    Each failed message goes down the usual ladder on its own, by its exception:
+    `Retry` and `Reject` as signals, any other exception as a handler error (a
+    delayed retry, then the DLQ, per the ack policy).
+
+    Args:
+        failures: the failed messages, each by its index in the list the handler
+            got (an ``int``) or by its ``message_id`` (a ``str``), with its exception.
+            A key that names no message of the batch fails the whole batch (it
+            cannot be known which message failed).
+    """
+
+    def __init__(self, failures: Mapping[int | str, BaseException]) -> None:
+        self.failures = dict(failures)
+        super().__init__(f"{len(self.failures)} message(s) of the batch failed")
+
+    def __reduce__(self) -> tuple[type[BatchFailed], tuple[dict[int | str, BaseException]]]:
+        return type(self), (self.failures,)
 
 
 class BodyDecodeError(Exception):
@@ -253,6 +282,29 @@ class HandlerOptions(TypedDict, total=False):
     queue_only: bool
 
 
+@dataclass(frozen=True, slots=True)
+class BatchOptions:
+    """How a batch handler's batches are made.
+
+    Attributes:
+        max_size: the most deliveries in one batch.
+        max_wait: seconds a batch waits for more deliveries after its first
+            arrived; then it runs with what it has.
+    """
+
+    max_size: int = 100
+    max_wait: float = 0.05
+
+    def __post_init__(self) -> None:
+        size, wait = self.max_size, self.max_wait
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"max_size must be an int >= 1, not {size!r:.50}")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)):
+            raise ValueError(f"max_wait must be a number of seconds, not {wait!r:.50}")
+        if not 0 <= wait < math.inf:
+            raise ValueError(f"max_wait must be >= 0 and finite, not {wait!r:.50}")
+
+
 @dataclass(frozen=True)
 class HandlerSpec:
     """One registered handler and how to call it.
@@ -271,6 +323,9 @@ class HandlerSpec:
             `USE_CONSUMER_DEDUP` (the consumer's ``dedup``).
         sync: ``func`` is a plain ``def``: the consumer runs it in its thread pool.
         queue_only: the queue is consumed alone, as it is (see `HandlerOptions`).
+        batch: set for a batch handler: ``func`` takes a list of what ``decode``
+            makes of each body (of deliveries, if None), and with ``wants_delivery``
+            a second list, of the deliveries (see `Router.batch_handler`).
     """
 
     queue: str
@@ -284,6 +339,7 @@ class HandlerSpec:
     dedup: HandlerDedup = USE_CONSUMER_DEDUP
     sync: bool = False
     queue_only: bool = False
+    batch: BatchOptions | None = None
 
     @property
     def queue_has_dlx(self) -> bool:
@@ -313,41 +369,13 @@ class HandlerSpec:
         sync = not inspect.iscoroutinefunction(func)
         if sync:
             _check_plain_def(func, ack_policy)
-        signature = inspect.signature(func)
-        try:
-            hints = typing.get_type_hints(func)
-        except Exception:  # unresolvable forward references: use the raw annotations
-            hints = {}
-        params = [
-            p
-            for p in signature.parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        required_extra = [
-            p
-            for p in signature.parameters.values()
-            if p.kind is p.KEYWORD_ONLY and p.default is p.empty
-        ]
-        if required_extra or not 1 <= len(params) <= 2:
-            raise TypeError(
-                f"handler {func.__qualname__} must take (body), (body, delivery) or (delivery)"
-            )
-        annotations = [hints.get(p.name, p.annotation) for p in params]
-        for index, annotation in enumerate(annotations):
-            if isinstance(annotation, str):
-                if annotation.rsplit(".", 1)[-1] == "Delivery":
-                    annotations[index] = Delivery
-                else:
-                    raise TypeError(
-                        f"handler {func.__qualname__}: cannot resolve the annotation "
-                        f"{annotation!r}; define the type at module level"
-                    )
+        annotations = _annotations(func, "(body), (body, delivery) or (delivery)")
         decode: BodyDecoder | None
-        if len(params) == 1 and annotations[0] is Delivery:
+        if len(annotations) == 1 and annotations[0] is Delivery:
             decode, wants_delivery = None, True
         else:
             decode = decoder_for(annotations[0])
-            wants_delivery = len(params) == 2
+            wants_delivery = len(annotations) == 2
         return cls(
             queue=queue,
             func=func,
@@ -361,6 +389,72 @@ class HandlerSpec:
             sync=sync,
             queue_only=queue_only,
         )
+
+    @classmethod
+    def build_batch(
+        cls, queue: str, func: HandlerFunc, batch: BatchOptions, **options: Unpack[HandlerOptions]
+    ) -> HandlerSpec:
+        """Inspect a batch handler and build its spec.
+
+        Raises:
+            TypeError: ``func`` does not take ``(bodies)``, ``(bodies, deliveries)``
+                or ``(deliveries)`` as lists, or asks for ``queue_only``.
+        """
+        if options.get("queue_only"):
+            raise TypeError(f"a batch handler ({queue!r}) cannot consume a queue alone")
+        spec = cls.build(queue, func, **options)  # the checks every handler gets
+        what = "(bodies), (bodies, deliveries) or (deliveries), each a list"
+        items = [_item_type(a, func, what) for a in _annotations(func, what)]
+        if len(items) == 2 and items[1] is not Delivery:
+            raise TypeError(f"batch handler {func.__qualname__}: its second list is of Delivery")
+        decode = None if items == [Delivery] else decoder_for(items[0])
+        return replace(spec, decode=decode, wants_delivery=len(items) == 2, batch=batch)
+
+
+def _annotations(func: Any, signatures: str) -> list[Any]:
+    """The annotations of ``func``'s one or two positional parameters (``Delivery`` resolved).
+
+    Raises:
+        TypeError: another signature than ``signatures``, or an unresolvable annotation.
+    """
+    signature = inspect.signature(func)
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception:  # unresolvable forward references: use the raw annotations
+        hints = {}
+    params = [
+        p
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    required_extra = [
+        p
+        for p in signature.parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+    ]
+    if required_extra or not 1 <= len(params) <= 2:
+        raise TypeError(f"handler {func.__qualname__} must take {signatures}")
+    annotations = [hints.get(p.name, p.annotation) for p in params]
+    for index, annotation in enumerate(annotations):
+        if isinstance(annotation, str):
+            if annotation.rsplit(".", 1)[-1] == "Delivery":
+                annotations[index] = Delivery
+            else:
+                raise TypeError(
+                    f"handler {func.__qualname__}: cannot resolve the annotation "
+                    f"{annotation!r}; define the type at module level"
+                )
+    return annotations
+
+
+def _item_type(annotation: Any, func: Any, signatures: str) -> Any:
+    """What a batch handler's list holds: ``list[X]`` / ``Sequence[X]`` gives X (bytes if bare)."""
+    if annotation in (inspect.Parameter.empty, list, Sequence):
+        return bytes
+    if typing.get_origin(annotation) in (list, Sequence):
+        (item,) = typing.get_args(annotation) or (bytes,)
+        return item
+    raise TypeError(f"batch handler {func.__qualname__} must take {signatures}")
 
 
 def _check_queue_only(queue: str, policy: AckPolicy, dedup: HandlerDedup) -> None:
@@ -449,6 +543,51 @@ class Router:
 
         def register(func: _F) -> _F:
             self.add_handler(queue, func, **options)
+            return func
+
+        return register
+
+    def add_batch_handler(
+        self,
+        queue: str,
+        func: HandlerFunc,
+        *,
+        max_size: int = 100,
+        max_wait: float = 0.05,
+        **options: Unpack[HandlerOptions],
+    ) -> HandlerSpec:
+        """Register a batch handler for ``queue``: ``func`` takes lists.
+
+        ``func`` takes ``(bodies)``, ``(bodies, deliveries)`` or ``(deliveries)``,
+        each a ``list[...]`` (``list[Model]``, ``list[bytes]``, ``list[Delivery]``...);
+        each body is decoded by the list's item type as for a single handler. It
+        gets up to ``max_size`` deliveries at once: as many as arrived within
+        ``max_wait`` seconds of the first. Returning acks them all; raising
+        `BatchFailed` fails those it names (each down the retry/DLQ ladder on
+        its own) and acks the rest; raising anything else fails every one.
+
+        Raises:
+            ValueError: ``queue`` already has a handler; ``max_size`` or ``max_wait``
+                is out of range.
+            TypeError: ``func`` has an unsupported signature.
+        """
+        batch = BatchOptions(max_size=max_size, max_wait=max_wait)
+        spec = HandlerSpec.build_batch(queue, func, batch, **options)
+        self._add_spec(spec)
+        return spec
+
+    def batch_handler(
+        self,
+        queue: str,
+        *,
+        max_size: int = 100,
+        max_wait: float = 0.05,
+        **options: Unpack[HandlerOptions],
+    ) -> Callable[[_F], _F]:
+        """Decorator form of `add_batch_handler`; returns the function unchanged."""
+
+        def register(func: _F) -> _F:
+            self.add_batch_handler(queue, func, max_size=max_size, max_wait=max_wait, **options)
             return func
 
         return register

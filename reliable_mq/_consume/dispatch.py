@@ -58,6 +58,7 @@ from ..delivery import Delivery, Settle
 from ..handlers import Reject, Retry
 from ..headers import ATTEMPT_HEADER, DELIVERY_COUNT_HEADER, NO_CONTENT_TYPE_HEADER
 from ..log import get_logger
+from .batches import Batcher
 from .route import Overran, Route
 from .session import Session, Shared, Ticket, delivery_log
 from .settle import Cause, Outcome, decide
@@ -104,6 +105,11 @@ class Dispatcher:
         the channel is closed, so the broker requeues what it delivered on it.
         """
         loop = asyncio.get_running_loop()
+        if route.spec.batch is not None:
+            if route.batcher is None:
+                route.batcher = Batcher(route, self.shared)
+            # One ack frame per batch where its tags are contiguous.
+            session.batch_size = max(session.batch_size, route.spec.batch.max_size)
         deliver, traced, tracing = self._deliver, self._traced, self.shared.tracing
         metrics = route.metrics
         # A queue consumed alone gets every delivery as it came, strings that did
@@ -313,6 +319,9 @@ class Dispatcher:
             # Settled meanwhile (a shutdown), or the id could not be recorded:
             # requeued, the handler does not run.
             return None
+        batcher = route.batcher
+        if batcher is not None:  # a batch handler: the batch's call ends it
+            return await batcher.join(ticket, body)
         return await self._call(route, ticket, body)
 
     async def _call(self, route: Route, ticket: Ticket, body: Any) -> Cause:  # noqa: PLR0911, PLR0912 (hot path: every delivery; one return per way a handler ends)

@@ -30,6 +30,7 @@ from .threads import HandlerThreads
 
 if TYPE_CHECKING:
     from ..delivery import Delivery
+    from .batches import Batcher
 
 __all__ = ("ChannelKeeper", "Intake", "Overran", "Route")
 
@@ -89,7 +90,10 @@ class Route:
         self.quorum = spec.queue_type is QueueType.QUORUM
         self.metrics = metrics
         limit = settings.effective_concurrency
-        self.semaphore = asyncio.Semaphore(limit) if limit else None
+        # A batch handler's limit counts batches (`Batcher.slots`), not deliveries.
+        self.semaphore = asyncio.Semaphore(limit) if limit and spec.batch is None else None
+        self.batcher: Batcher | None = None
+        """A batch handler's batches (made with the route's first channel)."""
         self.session: Session | None = None
         self.keeper: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()

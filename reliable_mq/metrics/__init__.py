@@ -63,6 +63,7 @@ __all__ = (
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _HANDLER_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +88,7 @@ class Metrics:
     deliveries: MetricSpec
     redeliveries: MetricSpec
     handler_duration: MetricSpec
+    batch_size: MetricSpec
     in_progress: MetricSpec
     duplicates_skipped: MetricSpec
     dedup_events: MetricSpec
@@ -202,6 +204,13 @@ class Metrics:
                 "Time spent in the user handler.",
                 "queue",
                 _HANDLER_BUCKETS,
+            ),
+            batch_size=histogram(
+                prefix,
+                "handler_batch_size",
+                "Deliveries per call of a batch handler.",
+                "queue",
+                _BATCH_BUCKETS,
             ),
             in_progress=gauge(
                 prefix, "handlers_in_progress", "Deliveries inside a handler now.", "queue"

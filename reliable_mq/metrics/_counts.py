@@ -246,12 +246,14 @@ class QueueMetrics(Reporting):
         dead_letter_reasons: messages dead-lettered, by reason.
         fallbacks: copies that could not be published as built, by the rung taken.
         dedup_events: de-duplication events, by event.
-        duration: handler run times.
+        duration: handler run times (a batch handler's: one per batch).
+        batch_sizes: deliveries per call of a batch handler.
     """
 
     __slots__ = (
         "ack_frames",
         "acked",
+        "batch_sizes",
         "dead_letter_reasons",
         "dead_lettered",
         "dedup_events",
@@ -283,6 +285,7 @@ class QueueMetrics(Reporting):
         self.fallbacks: dict[str, int] = {}
         self.dedup_events: dict[str, int] = dict.fromkeys(_DEDUP_EVENTS, 0)
         self.duration = self._histogram("handler_duration", (queue,))
+        self.batch_sizes = self._histogram("batch_size", (queue,))
 
     def handler_ended(self, seconds: float) -> None:
         """Count one handler run of ``seconds`` (`Histogram.observe`, inlined: once per delivery)."""
@@ -318,6 +321,7 @@ class QueueMetrics(Reporting):
         yield "ack_batches", queue, self.ack_frames
         yield "in_progress", queue, self.handlers_running
         yield "handler_duration", queue, self.duration
+        yield "batch_size", queue, self.batch_sizes
         for event, count in list(self.dedup_events.items()):
             yield "dedup_events", (self.queue, event), count
         for reason, count in list(self.dead_letter_reasons.items()):

@@ -535,7 +535,7 @@ class TestIntake:
 
         route = SimpleNamespace(
             queue="q",
-            spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR, queue_only=False),
+            spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR, queue_only=False, batch=None),
             metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
         )
         dispatcher = Dispatcher(Shared(ConsumerSettings()))
@@ -567,8 +567,9 @@ class TestIntake:
             queue="q",
             quorum=False,
             spec=SimpleNamespace(
-                ack_policy=AckPolicy.RETRY_ON_ERROR, decode=None, queue_only=False
+                ack_policy=AckPolicy.RETRY_ON_ERROR, decode=None, queue_only=False, batch=None
             ),
+            batcher=None,
             handler=handler,
             threads=None,
             running={},
