@@ -132,9 +132,8 @@ class BatchTrace:
         self._tracer = tracer
         self._url = url
         self._create = create_spans
-        self._span = start_batch(
-            tracer, url, creation_context=not create_spans
-        )  # None: the tracer failed (logged once)
+        # None: the tracer failed (logged once)
+        self._span = start_batch(tracer, url, creation_context=not create_spans)
         self._route: tuple[str, str] | None = None
         self._mixed = False
         self._links = 0
