@@ -158,12 +158,17 @@ async def _declare(channel: Channel, stream: StreamSpec) -> None:
 async def is_stream(connection: ChannelOpener, name: str) -> bool | None:
     """Whether queue ``name`` is a stream; None when it does not exist.
 
-    A passive declare says whether it exists (a stream always reports 0
-    messages: a queue that reports more is not one). For the rest a probe
-    consumer without a prefetch is started on a channel of its own and
-    cancelled at once: RabbitMQ refuses it only on a stream. The probe takes no
-    message from a stream; from an empty queue it may take one that arrives in
-    the moment it runs, which closing its channel returns.
+    AMQP 0-9-1 cannot ask a queue's type (and a stream's passive declare
+    counts messages as a queue's does), so after a passive declare (does it
+    exist?) the queue is redeclared with ``x-queue-type: stream``, a no-op on
+    an existing queue: RabbitMQ refuses it naming one argument that differs,
+    with the queue's own value, and each round takes that value, until the
+    declaration is accepted (a stream) or the refusal names ``x-queue-type``
+    (the queue's own type). Only when a refusal cannot be read, an empty queue
+    gets a probe consumer without a prefetch, which RabbitMQ refuses only on a
+    stream (it takes no message from a stream, and what it may take from an
+    empty queue goes back when its channel closes); a queue with messages is
+    then taken as no stream.
     """
     channel = await connection.channel()
     try:
@@ -174,18 +179,88 @@ async def is_stream(connection: ChannelOpener, name: str) -> bool | None:
             if fault is not None and fault.kind is FaultKind.NOT_FOUND:
                 return None
             raise
-        if info.messages:
-            return False
-        try:
-            await channel.consume_without_prefetch(name)
-        except AMQP_ERRORS as exc:
-            fault = classify(exc)
-            if fault is not None and _PREFETCH_REFUSAL in fault.reply_text:
-                return True
-            raise
-        return False
     finally:
         await channel.close()
+    verdict = await _declared_as_stream(connection, name)
+    if verdict is not None:
+        return verdict
+    if info.messages:
+        return False
+    return await _refuses_no_prefetch(connection, name)
+
+
+_INEQUIVALENT = re.compile(r"inequivalent arg '([^']+)'.*?received (.*?) but current is (.*)$")
+_TYPED_VALUE = re.compile(r"the value '(.*)' of type '(\w+)'$")
+_ABSENT = object()
+_ROUNDS = 16
+
+
+def _queue_value(reply_text: str) -> tuple[str, Any] | None:  # noqa: PLR0911 (a parser)
+    """The argument a 406 names and the queue's own value (``_ABSENT``: none)."""
+    match = _INEQUIVALENT.search(reply_text)
+    if match is None:
+        return None
+    argument, _received, current = match.groups()
+    current = current.strip()
+    if current == "none":
+        return argument, _ABSENT
+    typed = _TYPED_VALUE.match(current)
+    if typed is None:  # 'quorum', or 'false' for durable
+        return argument, current.strip("'")
+    text, kind = typed.groups()
+    if kind == "longstr":
+        return argument, text
+    if kind == "bool":
+        return argument, text == "true"
+    try:
+        return argument, int(text)
+    except ValueError:
+        return None
+
+
+async def _declared_as_stream(connection: ChannelOpener, name: str) -> bool | None:
+    """Redeclare ``name`` as a stream, taking its own values, until accepted or refused on
+    its type (see `is_stream`); None when a refusal cannot be read."""
+    arguments: dict[str, Any] = {"x-queue-type": "stream"}
+    flags = {"durable": True, "auto_delete": False}
+    for _ in range(_ROUNDS):
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(name, arguments=arguments, **flags)
+            return True
+        except AMQP_ERRORS as exc:
+            fault = classify(exc)
+            if fault is None or fault.reply_code != 406:
+                raise
+        finally:
+            await channel.close()
+        found = _queue_value(fault.reply_text)
+        if found is None:
+            return None
+        argument, value = found
+        if argument == "x-queue-type":
+            return bool(value == "stream")
+        if argument in flags:
+            flags[argument] = value in (True, "true")
+        elif value is _ABSENT:
+            arguments.pop(argument, None)
+        else:
+            arguments[argument] = value
+    return None
+
+
+async def _refuses_no_prefetch(connection: ChannelOpener, name: str) -> bool:
+    channel = await connection.channel()
+    try:
+        await channel.consume_without_prefetch(name)
+    except AMQP_ERRORS as exc:
+        fault = classify(exc)
+        if fault is not None and _PREFETCH_REFUSAL in fault.reply_text:
+            return True
+        raise
+    finally:
+        await channel.close()
+    return False
 
 
 async def check_stream(connection: ChannelOpener, name: str) -> None:

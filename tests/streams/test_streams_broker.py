@@ -251,6 +251,38 @@ class TestRefusesQueues:
         declared = await amqp.declare_queue(queue, passive=True)
         assert declared.declaration_result.message_count == held
 
+    async def test_queues_with_arguments_and_messages_are_told_from_streams(
+        self, broker_url: str, make_stream: MakeStream, amqp: aio_pika.abc.AbstractChannel
+    ) -> None:
+        """A stream with retention and messages is a stream; a classic queue with dead-letter
+        arguments and a quorum queue, both holding messages, are not, and the check takes
+        none of their messages (none comes back redelivered)."""
+        stream = await make_stream(max_length_bytes=1_000_000, max_age="1D")
+        await publish(broker_url, stream, 10)
+        async with StreamReader(broker_url, stream) as reader:
+            assert await reader.tail() == 10
+        for arguments in (
+            {
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": "x.dlq",
+                "x-max-length": 50,
+            },
+            {"x-queue-type": "quorum", "x-max-length-bytes": 1_000_000},
+        ):
+            name = f"test-q-{uuid.uuid4().hex[:10]}"
+            declared = await amqp.declare_queue(name, durable=True, arguments=arguments)
+            try:
+                for _ in range(3):
+                    await amqp.default_exchange.publish(aio_pika.Message(b"x"), routing_key=name)
+                with pytest.raises(NotAStream, match="is not a stream"):
+                    async with StreamReader(broker_url, name):
+                        pass
+                got = await declared.get(no_ack=True)
+                assert got is not None and not got.redelivered
+                assert (got.headers or {}).get("x-delivery-count", 0) == 0
+            finally:
+                await declared.delete(if_unused=False, if_empty=False)
+
     async def test_a_missing_stream_is_named(self, broker_url: str) -> None:
         """A name that is nothing is refused too, with how to declare it."""
         with pytest.raises(NotAStream, match="does not exist"):
