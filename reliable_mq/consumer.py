@@ -72,6 +72,7 @@ from .log import get_logger
 from .metrics import Metrics
 from .publisher import ReliablePublisher
 from .settings import ConnectionSettings, ConsumerSettings, PublisherSettings
+from .streams import refuse_stream
 from .topology import QueueTopology
 
 __all__ = (
@@ -376,6 +377,8 @@ class ReliableConsumer(Router):
                 )
                 await self._shared.publisher.start()
             await self._supervisor.start()
+            for queue in self._routes:  # a stream needs offsets: refused (StreamNotSupported)
+                await refuse_stream(await self._supervisor.wait_connected(), queue)
             loop = asyncio.get_running_loop()
             for route in self._routes.values():
                 await self._keeper.open(route, first=True)

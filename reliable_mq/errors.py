@@ -24,6 +24,10 @@ ReliableMQError
 │   └── PublishUnavailable (also BrokerUnavailable) no connection for unavailable_timeout
 ├── PublishBatchError                             publish_many(): some messages failed
 ├── ConsumerError                                 consumer-side failures (see consumer docs)
+│   └── StreamNotSupported                        a ReliableConsumer was given a stream
+├── StreamError                                   reading a stream (reliable_mq.streams)
+│   ├── NotAStream             (also ValueError)  a classic or quorum queue: it cannot replay
+│   └── StreamDataLoss                            retention removed offsets the reader needed
 ├── WouldDeadlock              (also RuntimeError) a blocking call from the thread that must serve it
 └── InvalidTarget              (also ValueError)   `reliable-mq run`: the import path is not a consumer
 ```
@@ -44,6 +48,7 @@ __all__ = (
     "InvalidSettings",
     "InvalidTarget",
     "MessageTooLarge",
+    "NotAStream",
     "PublishAborted",
     "PublishBatchError",
     "PublishError",
@@ -54,6 +59,9 @@ __all__ = (
     "PublishUnavailable",
     "PublishUnroutable",
     "ReliableMQError",
+    "StreamDataLoss",
+    "StreamError",
+    "StreamNotSupported",
     "UnsupportedDependency",
     "WouldDeadlock",
 )
@@ -140,6 +148,47 @@ class FlushTimeout(ReliableMQError, TimeoutError):
 
 class ConsumerError(ReliableMQError):
     """Base for consumer-side errors."""
+
+
+class StreamNotSupported(ConsumerError):
+    """A `ReliableConsumer` was given a stream queue (``x-queue-type: stream``).
+
+    A stream is read from an offset, and nothing in a consumer keeps one: read
+    it with `reliable_mq.streams.StreamReader` (offsets you keep) or the Spark
+    source (``spark.read.format("rabbitmq").option("stream", ...)``). The
+    message names the queue.
+    """
+
+
+class StreamError(ReliableMQError):
+    """Base for errors of reading a stream (`reliable_mq.streams`)."""
+
+
+class NotAStream(StreamError, ValueError):
+    """The queue is not a stream (classic or quorum, or missing).
+
+    A classic or quorum queue hands each message out once and forgets it when it
+    is acked: it cannot be read again from an offset, so a reader over it could
+    not replay after a failure. Publish into a stream instead, or shovel or
+    bind the queue's source into one.
+    """
+
+
+class StreamDataLoss(StreamError):
+    """Retention removed offsets a reader still needed.
+
+    Attributes:
+        stream: the stream.
+        requested: the first offset asked for.
+        available: the first offset the stream still had (everything in
+            ``[requested, available)`` is gone).
+    """
+
+    def __init__(self, message: str, *, stream: str, requested: int, available: int) -> None:
+        super().__init__(message)
+        self.stream = stream
+        self.requested = requested
+        self.available = available
 
 
 class PublishError(ReliableMQError):

@@ -18,6 +18,10 @@ expiry is FIFO and exact (per-message TTLs in one queue would block behind the
 head). For quorum queues every queue is a quorum queue and the retry queues
 dead-letter ``at-least-once`` (which needs ``x-overflow: reject-publish``), so
 the hop back cannot lose a message.
+
+A stream (`declare_stream`, `StreamSpec`: re-exported from
+`reliable_mq.streams`) is declared with its retention instead: it has no retry
+queues or DLQ, since nothing is rejected or requeued in a stream.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ from .connection import ConnectionSupervisor
 from .errors import ConsumerError
 from .metrics import Metrics
 from .settings import ConnectionSettings
+
+# Re-exported (explicitly, for mypy), documented in reliable_mq.streams: not in __all__.
+from .streams import StreamSpec as StreamSpec  # noqa: PLC0414
+from .streams import declare_stream as declare_stream  # noqa: PLC0414
 
 __all__ = (
     "QueueCheck",

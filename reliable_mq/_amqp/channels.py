@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import aio_pika.abc
 import aiormq
+from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 from typing_extensions import TypeIs
 
@@ -187,6 +188,17 @@ class Channel:
             body=got.body,
         )
 
+    async def consume_without_prefetch(self, queue: str, *, timeout: float | None = None) -> None:
+        """``basic.consume`` on a channel without ``basic.qos``, cancelled at once: a probe.
+
+        RabbitMQ refuses it on a stream (406 "consumer prefetch count is not
+        set"; the channel closes), which needs a prefetch; any other queue
+        accepts it. A message delivered before the cancel stays unacked on this
+        channel: closing the channel returns it to the queue.
+        """
+        ok = await self._channel.basic_consume(queue, _ignored, no_ack=False, timeout=timeout)
+        await self._channel.basic_cancel(str(ok.consumer_tag), timeout=timeout)
+
     async def ack(self, delivery_tag: int) -> None:
         await self._channel.basic_ack(delivery_tag, multiple=False)
 
@@ -200,3 +212,7 @@ class Channel:
         with contextlib.suppress(*AMQP_ERRORS, RuntimeError):
             async with asyncio.timeout(5):
                 await self._channel.close()
+
+
+async def _ignored(message: DeliveredMessage) -> None:
+    """The callback of `Channel.consume_without_prefetch`: its deliveries are left unacked."""

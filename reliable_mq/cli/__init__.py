@@ -66,7 +66,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "topology",
-        "declare (or delete) a queue with its retry queues and dead-letter queue",
+        "declare (or delete) a queue with its retry queues and dead-letter queue, or declare a stream",
         add_topology_arguments,
         run_topology,
     ),

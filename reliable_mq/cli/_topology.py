@@ -1,9 +1,11 @@
-"""``topology``: declare or delete a work queue with its retry queues and DLQ.
+"""``topology``: declare or delete a work queue with its retry queues and DLQ, or a stream.
 
 The queues and their arguments come from [`reliable_mq.topology.QueueTopology`][reliable_mq.topology.QueueTopology],
 exactly as [`ReliableConsumer`][reliable_mq.consumer.ReliableConsumer] declares them, so a
 queue set made here is the one a consumer with the same ``retry_delays``
-expects.
+expects. With ``--stream`` the name is a stream's instead
+([`declare_stream`][reliable_mq.streams.declare_stream]), declared with its
+retention: a stream has no retry queues or DLQ.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 from ..connection import Link
 from ..errors import ConsumerError
 from ..settings import ConsumerSettings
+from ..streams import StreamSpec, declare_stream
 from ..topology import QueueCheck, QueueTopology, QueueType, prepare_topology
 from ._common import EXIT_OK, CommandFailed, open_link, print_table, queue_count, say
 
@@ -64,6 +67,29 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
         "queues of a set that exists with other --retry-delays or --dlq",
     )
     parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="declare QUEUE as a stream (x-queue-type: stream), read from offsets, with the "
+        "retention below; no retry queues or DLQ",
+    )
+    parser.add_argument(
+        "--max-length-bytes",
+        type=int,
+        metavar="N",
+        help="with --stream: x-max-length-bytes, past which the oldest segments are removed",
+    )
+    parser.add_argument(
+        "--max-age",
+        metavar="AGE",
+        help="with --stream: x-max-age, e.g. 7D or 12h (units Y M D h m s)",
+    )
+    parser.add_argument(
+        "--max-segment-size-bytes",
+        type=int,
+        metavar="N",
+        help="with --stream: x-stream-max-segment-size-bytes (retention removes whole segments)",
+    )
+    parser.add_argument(
         "--ignore-missing",
         action="store_true",
         help="with --delete: delete the queues that exist even if others of the set do not "
@@ -97,7 +123,14 @@ async def _message_counts(connection: Link, names: tuple[str, ...]) -> dict[str,
 
 
 async def run_topology(args: argparse.Namespace) -> int:
-    """Declare (or with ``--delete`` remove) the queue set of ``args.queue``."""
+    """Declare (or with ``--delete`` remove) the queue set of ``args.queue``, or a stream."""
+    if args.stream:
+        return await _run_stream(args)
+    retention = (args.max_length_bytes, args.max_age, args.max_segment_size_bytes)
+    if retention != (None, None, None):
+        raise CommandFailed(
+            "--max-length-bytes, --max-age and --max-segment-size-bytes need --stream"
+        )
     try:
         topology = QueueTopology(
             queue=args.queue,
@@ -200,4 +233,30 @@ async def _delete(
     await channel.close()
     print(f"deleted {len(counts)} of the {len(topology.all_queues)} queues of {topology.queue!r}:")
     print_table(rows)
+    return EXIT_OK
+
+
+async def _run_stream(args: argparse.Namespace) -> int:
+    """Declare the stream ``args.queue`` with its retention."""
+    if args.quorum or args.dlq or args.delete:
+        raise CommandFailed(
+            "--stream declares a stream: --quorum, --dlq and --delete do not apply (a stream "
+            "has no retry queues or DLQ; delete one with `rabbitmqctl delete_queue`)"
+        )
+    try:
+        spec = StreamSpec(
+            args.queue,
+            max_length_bytes=args.max_length_bytes,
+            max_age=args.max_age,
+            max_segment_size_bytes=args.max_segment_size_bytes,
+        )
+    except ValueError as exc:
+        raise CommandFailed(str(exc)) from None
+    async with open_link(args) as connection:
+        try:
+            await declare_stream(connection, spec)
+        except ConsumerError as exc:
+            raise CommandFailed(str(exc)) from None
+    print(f"declared stream {spec.name} (durable):")
+    print_table([(f"  {key}", str(value)) for key, value in spec.queue_arguments().items()])
     return EXIT_OK

@@ -38,8 +38,8 @@ How it works (details in ``docs/spark.md``):
 The package's modules, one job each: ``_spec`` (the spec and its enums),
 ``_encode`` (schema-directed encoders), ``_plan`` (spec x schema, the row
 encoder, ids), ``_partition`` (the executor side), ``_driver`` (checks, the
-job, the report), ``_stream`` (micro-batches and stopping), ``datasource``
-(the ``rabbitmq`` format).
+job, the report), ``_stream`` (micro-batches and stopping), ``_source`` (batch reads of a
+stream), ``datasource`` (the ``rabbitmq`` format).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ from ._plan import (
     message_id_for,
     plan_publish,
 )
+from ._source import READ_SCHEMA, ReadSpec
 from ._spec import IdScheme, NonFinite, PublishSpec
 from ._stream import BatchSink, foreach_batch_sink, stop_after_current_batch
 from .datasource import RabbitMQDataSource, register_data_source
@@ -101,7 +102,9 @@ __all__ = (
     "PublishPlan",
     "PublishReport",
     "PublishSpec",
+    "READ_SCHEMA",
     "RabbitMQDataSource",
+    "ReadSpec",
     "StreamStopping",
     "TaskInfo",
     "UnsupportedSchema",

@@ -1,4 +1,7 @@
-"""``df.write.format("rabbitmq")`` and ``writeStream.format("rabbitmq")``: a Python Data Source.
+"""The ``rabbitmq`` format: writes (``df.write``, ``writeStream``), stream reads (``spark.read``).
+
+A Python Data Source. Reading: a stream between two offsets, as a batch
+(`reliable_mq.spark._source`); the streaming reader is not built yet.
 
 Built on PySpark 4's ``pyspark.sql.datasource`` API and on nothing but the
 public functions of `reliable_mq.spark`:
@@ -54,6 +57,7 @@ from ._driver import check_destination, raise_for_stats
 from ._errors import NullKey
 from ._partition import PartitionStats, current_task, publish_partition
 from ._plan import PublishPlan, arrow_rows, plan_publish
+from ._source import READ_SCHEMA, RabbitMQStreamRangeReader, ReadSpec
 from ._spec import IdScheme, PublishSpec, check_destination_option
 
 __all__ = (
@@ -81,7 +85,7 @@ def register_data_source(spark: SparkSession) -> None:
 
 
 class RabbitMQDataSource(DataSource):
-    """The ``rabbitmq`` format: write-only, batch and streaming.
+    """The ``rabbitmq`` format: writes (batch and streaming), and batch reads of a stream.
 
     Options are `PublishSpec`'s fields (see `PublishSpec.from_options`), plus
     ``check_destination`` (default ``true``: passive declare on the driver).
@@ -93,6 +97,20 @@ class RabbitMQDataSource(DataSource):
     @classmethod
     def name(cls) -> str:
         return "rabbitmq"
+
+    def schema(self) -> StructType:
+        """The rows of a stream read (``spark.read``): see `READ_SCHEMA`."""
+        return READ_SCHEMA
+
+    def reader(self, schema: StructType) -> RabbitMQStreamRangeReader:
+        """``spark.read.format("rabbitmq")``: a stream between two offsets (`ReadSpec` options).
+
+        Raises:
+            InvalidSettings: bad options, or a start past the end.
+            NotAStream: the name is a classic or quorum queue, or nothing.
+            StreamDataLoss: retention removed the start (``failOnDataLoss`` true).
+        """
+        return RabbitMQStreamRangeReader(ReadSpec.from_options(dict(self.options)))
 
     def writer(self, schema: StructType, overwrite: bool) -> RabbitMQWriter:
         return RabbitMQWriter(self._plan(schema, overwrite))

@@ -24,6 +24,7 @@ from reliable_mq import (
     ReliableConsumer,
     ReliablePublisher,
 )
+from reliable_mq.streams import StreamReader
 from reliable_mq.testing import TCPProxy
 from reliable_mq.topology import declare_topology, delete_topology
 from tests.conftest import proxied_url
@@ -479,6 +480,31 @@ class TestTopology:
             deleted = await cli("topology", name, "--quorum", "--retry-delays", "2",
                                 "--delete", url=broker_url)  # fmt: skip
         assert deleted.code == 0, deleted.stderr
+
+    async def test_stream_topology(self, broker_url: str) -> None:
+        """--stream declares a stream with its retention (again: a no-op); queue-set flags and
+        retention without --stream are refused."""
+        name = f"test-cli-stream-{uuid.uuid4().hex[:8]}"
+        args = ("topology", "--stream", name, "--max-length-bytes", "1000000", "--max-age", "7D")
+        try:
+            run = await cli(*args, url=broker_url)
+            assert run.code == 0, run.stderr
+            assert f"declared stream {name}" in run.stdout
+            assert "x-max-age" in run.stdout and "1000000" in run.stdout
+            again = await cli(*args, url=broker_url)
+            assert again.code == 0, again.stderr
+            other = await cli("topology", "--stream", name, url=broker_url)
+            assert other.code == 1 and "x-max-length-bytes" in other.stderr
+            async with StreamReader(broker_url, name) as reader:  # a stream: not refused
+                assert await reader.tail() == 0
+        finally:
+            connection = await aio_pika.connect(broker_url)
+            async with connection:
+                await (await connection.channel()).queue_delete(name)
+        refused = await cli("topology", "--stream", name, "--quorum", url=broker_url)
+        assert refused.code == 1 and "do not apply" in refused.stderr
+        needs = await cli("topology", name, "--max-age", "7D", url=broker_url)
+        assert needs.code == 1 and "need --stream" in needs.stderr
 
 
 class TestDlq:
