@@ -7,7 +7,10 @@ transaction per batch) while a fault strikes mid-batch. The consumers have no
 dedup store of their own: the database alone stands between a redelivered
 copy and a second effect. The ledger's rows (with repeats) are the applied
 effects; the oracle must find nothing lost, nothing unexpected and no effect
-applied twice.
+applied twice. The five scenarios are issue 22's: the consumer SIGKILLed
+mid-batch, the PostgreSQL connection cut mid-commit, an AMQP cut between the
+handler's return and its acks, a handler failing 3 of 500, and a handler
+raising for its whole batch.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
-from reliable_mq import ConsumerSettings, ReliableConsumer
+from reliable_mq import BatchFailed, ConsumerSettings, ReliableConsumer
 from reliable_mq.dedup import BatchResult
 from reliable_mq.dedup.postgres import PostgresDedupStore
 from reliable_mq.delivery import Delivery
+from reliable_mq.headers import REASON_HEADER
 from reliable_mq.testing import LossOracle, TCPProxy
 from reliable_mq.topology import QueueTopology
 from tests.faults.batch_worker import ledger_effect
@@ -129,13 +133,16 @@ async def judge(
     tables: Tables,
     scenario: Scenario,
     work: Workload,
+    *,
+    messages: int = MESSAGES,
+    effects: int = MESSAGES,
     **report: Any,
-) -> None:
+) -> dict[str, list[Any]]:
     """Drain every queue, count the ledger's rows as effects, report, and assert the verdict."""
     oracle_effects = await tables.effects()
     for mid in oracle_effects:
         oracle.applied(mid)
-    await drain_all(url, topology, oracle)
+    drained = await drain_all(url, topology, oracle)
     await delete(url, topology)
     verdict = scenario.report(
         max_in_flight=work.publisher.stats().max_in_flight_seen,
@@ -143,15 +150,18 @@ async def judge(
         **report,
     )
     assert verdict.ok, describe(verdict, work)
-    assert verdict.effects == MESSAGES
-    assert verdict.distinct_delivered == MESSAGES
+    assert verdict.effects == effects
+    assert verdict.distinct_delivered == messages
+    return drained
 
 
 class BatchSink:
     """An in-process batch handler: run_once_batch into the ledger, with a hook per new batch.
 
-    ``hook(n, conn)`` runs inside the transaction of the ``n``-th batch with new
-    ids (after its rows are written), ``after(n)`` once that batch committed.
+    ``hook(n, conn, new)`` runs inside the transaction of the ``n``-th batch with
+    new ids (after their rows are written), ``after(n)`` once that batch
+    committed. The deliveries of ``poison`` ids are left out of the effect and
+    named in a `BatchFailed` (each goes down the retry/DLQ ladder alone).
     """
 
     def __init__(self, store: PostgresDedupStore, tables: Tables, oracle: LossOracle) -> None:
@@ -163,16 +173,27 @@ class BatchSink:
         self.failed_calls = 0
         self.hook: Any = None
         self.after: Any = None
+        self.poison: set[str] = set()
 
     async def __call__(self, items: list[Delivery]) -> None:
         self.oracle.delivered_many(item.message_id for item in items)
+        failures: dict[int | str, BaseException] = {
+            item.message_id: ValueError("poison")
+            for item in items
+            if item.message_id in self.poison
+        }
+        await self.apply([item for item in items if item.message_id not in failures])
+        if failures:
+            raise BatchFailed(failures)
 
+    async def apply(self, items: list[Delivery]) -> None:
         async def effect(conn: psycopg.AsyncConnection[Any], new: list[Delivery]) -> int:
             self.batches += 1
-            written = int(await self.write(conn, new))
+            number = self.batches  # batches run concurrently: read it before any await
+            await self.write(conn, new)
             if self.hook is not None:
-                await self.hook(self.batches, conn)
-            return written
+                await self.hook(number, conn, new)
+            return number
 
         try:
             result: BatchResult[int] = await self.store.run_once_batch(items, effect)
@@ -180,15 +201,20 @@ class BatchSink:
             self.failed_calls += 1
             raise
         self.skipped += len(result.already_done)
-        if result.ran and self.after is not None:
-            self.after(self.batches)
+        if result.value is not None and self.after is not None:
+            self.after(result.value)
 
 
-def batch_consumer(url: str, queue: str, sink: BatchSink) -> ReliableConsumer:
+def batch_consumer(
+    url: str, queue: str, sink: BatchSink, *, max_attempts: int = 50
+) -> ReliableConsumer:
     consumer = ReliableConsumer(
         connection(url, "batch-consumer"),
         settings=ConsumerSettings(
-            prefetch=PREFETCH, max_attempts=50, retry_delays=(0.2,), shutdown_grace=5.0
+            prefetch=PREFETCH,
+            max_attempts=max_attempts,
+            retry_delays=(0.2,),
+            shutdown_grace=5.0,
         ),
         registry=CollectorRegistry(),
         dedup=None,
@@ -290,7 +316,7 @@ class TestBatchFaults:
             sink = BatchSink(store, tables, oracle)
             cuts = {3: False, 8: True}  # batch number: abort (the commit never lands)
 
-            async def hook(n: int, conn: psycopg.AsyncConnection[Any]) -> None:
+            async def hook(n: int, conn: psycopg.AsyncConnection[Any], new: Any) -> None:
                 if n not in cuts:
                     return
                 if cuts[n]:  # the server notices the lost client within 50 ms, rolls back
@@ -378,6 +404,97 @@ class TestBatchFaults:
             tables,
             scenario,
             work,
+            republished=stats.retried,
+            max_unacked=stats.max_in_progress,
+        )
+
+    async def test_three_of_500_fail_the_rest_applied_once(
+        self, fault_node: PrivateBroker, pg: PrivatePostgres, tables: Tables
+    ) -> None:
+        """A handler failing 3 of 500 by name: 497 applied once, the 3 dead-lettered unapplied."""
+        url = fault_node.url
+        oracle = LossOracle()
+        scenario = Scenario("batch 3 of 500 fail", oracle)
+        queue = new_queue("batch-three-fail")
+        topology = QueueTopology(queue=queue, retry_delays=(0.2,))
+        await declare(url, topology)
+        work = await publish_all(url, oracle, queue, 500)
+        store = PostgresDedupStore(pg.dsn, table=tables.inbox)
+        sink = BatchSink(store, tables, oracle)
+        sink.poison = {"m0000007", "m0000123", "m0000400"}
+        scenario.faults = len(sink.poison)
+        consumer = batch_consumer(url, queue, sink, max_attempts=3)
+        await consumer.start()
+        try:
+            done = await wait_for_effects(tables, 497, 30)
+            await wait_for(lambda: consumer.stats().dead_lettered >= 3, 30)
+            await consumer.stop(grace=5)
+        finally:
+            await consumer.stop(grace=1)
+            await store.close()
+        assert done, f"only {await tables.distinct_effects()} of 497 effects"
+        stats = consumer.stats()
+        drained = await judge(
+            url,
+            topology,
+            oracle,
+            tables,
+            scenario,
+            work,
+            messages=500,
+            effects=497,
+            republished=stats.retried + stats.dead_lettered,
+            max_unacked=stats.max_in_progress,
+        )
+        assert not set(await tables.effects()) & sink.poison
+        dead = drained[topology.dead_letter_queue]
+        assert {m.message_id for m in dead} == sink.poison
+        assert {m.headers[REASON_HEADER] for m in dead} == {"max_attempts"}
+        assert (stats.retried, stats.dead_lettered) == (6, 3)
+
+    async def test_every_batch_raising_once_is_applied_once_on_retry(
+        self, fault_node: PrivateBroker, pg: PrivatePostgres, tables: Tables
+    ) -> None:
+        """Each batch's effect raises on a first attempt: nothing kept, every message retried,
+        every effect applied once by the retries."""
+        url = fault_node.url
+        oracle = LossOracle()
+        scenario = Scenario("batch raising whole", oracle)
+        queue = new_queue("batch-raising")
+        topology = QueueTopology(queue=queue, retry_delays=(0.2,))
+        await declare(url, topology)
+        work = await publish_all(url, oracle, queue, 1000)
+        store = PostgresDedupStore(pg.dsn, table=tables.inbox)
+        sink = BatchSink(store, tables, oracle)
+
+        async def hook(n: int, conn: psycopg.AsyncConnection[Any], new: list[Delivery]) -> None:
+            if any(item.attempt == 1 for item in new):  # rows written, then the effect raises
+                scenario.faults += 1
+                raise RuntimeError("the effect failed after writing its rows")
+
+        sink.hook = hook
+        consumer = batch_consumer(url, queue, sink, max_attempts=10)
+        await consumer.start()
+        try:
+            done = await wait_for_effects(tables, 1000, 30)
+            await consumer.stop(grace=5)
+        finally:
+            await consumer.stop(grace=1)
+            await store.close()
+        assert done, f"only {await tables.distinct_effects()} of 1000 effects"
+        stats = consumer.stats()
+        # A batch mixing first attempts with retries fails them all again.
+        assert stats.retried >= 1000 and stats.dead_lettered == 0
+        assert scenario.faults >= 1000 // MAX_SIZE
+        await judge(
+            url,
+            topology,
+            oracle,
+            tables,
+            scenario,
+            work,
+            messages=1000,
+            effects=1000,
             republished=stats.retried,
             max_unacked=stats.max_in_progress,
         )
