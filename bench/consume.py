@@ -14,8 +14,13 @@ The default modes:
   (not loss-proof: a crash loses what was delivered);
 * aio-pika ``queue.consume(callback)`` with ``message.ack()`` per message;
 * pika ``BlockingConnection`` ``basic_consume(auto_ack=True)`` (in a thread);
+* pika ``BlockingConnection`` with manual acks, ``basic_ack(multiple=True)``
+  every 50th delivery, at prefetch 300 whatever ``--prefetch`` says: the same
+  safety as reliable_mq's batched acks (issue 22's reference);
 * reliable_mq with its defaults: batched acks, in-memory de-duplication;
-* reliable_mq without de-duplication (``dedup=None``).
+* reliable_mq without de-duplication (``dedup=None``);
+* reliable_mq with a no-op batch handler (``max_size`` 100, or the prefetch if
+  lower; default de-duplication).
 
 ``--all`` adds: aio-pika acking ``multiple=true`` every 50th delivery (a
 reference ceiling for manual acks), reliable_mq with one ack frame per
@@ -78,6 +83,10 @@ REDIS_URL = os.environ.get("RELIABLE_MQ_BENCH_REDIS", "redis://127.0.0.1:6379/0"
 
 AIO_AUTO = "aio-pika auto-ack"
 PIKA_AUTO = "pika BlockingConnection auto-ack"
+PIKA_BATCHED = "pika acks every 50, prefetch 300"
+PIKA_BATCHED_PREFETCH = 300
+RMQ_BATCH = "reliable_mq batch handler (max_size 100)"
+BATCH_MAX_SIZE = 100
 RMQ_DEFAULTS = "reliable_mq defaults (dedup memory)"
 RMQ_NO_DEDUP = "reliable_mq, dedup off"
 TRACED = [RMQ_DEFAULTS, RMQ_NO_DEDUP]
@@ -228,8 +237,8 @@ async def aio_multiple(queue: str, clock: Clock, prefetch: int) -> None:
     await aio_pika_consume(queue, clock, prefetch, ack="every-50")
 
 
-async def pika_auto(queue: str, clock: Clock, prefetch: int) -> None:
-    """pika's BlockingConnection, basic_consume with auto_ack, in a thread."""
+async def pika_consume(queue: str, clock: Clock, prefetch: int, *, ack_every: int) -> None:
+    """pika's BlockingConnection in a thread: auto-ack (``ack_every=0``) or acks every n-th."""
 
     def run() -> None:
         connection = pika.BlockingConnection(pika.URLParameters(URL))
@@ -238,17 +247,30 @@ async def pika_auto(queue: str, clock: Clock, prefetch: int) -> None:
             channel.basic_qos(prefetch_count=prefetch)
 
             def on_message(ch: Any, method: Any, properties: Any, body: bytes) -> None:
+                last = clock.count + 1 >= clock.expected
+                if ack_every and (last or (clock.count + 1) % ack_every == 0):
+                    ch.basic_ack(method.delivery_tag, multiple=True)
                 clock.tick()
-                if clock.count >= clock.expected:
+                if last:
                     ch.stop_consuming()
 
-            channel.basic_consume(queue, on_message, auto_ack=True)
+            channel.basic_consume(queue, on_message, auto_ack=not ack_every)
             channel.start_consuming()
         finally:
             connection.close()
 
     await asyncio.to_thread(run)
     await clock.done.wait()
+
+
+async def pika_auto(queue: str, clock: Clock, prefetch: int) -> None:
+    """pika's BlockingConnection, basic_consume with auto_ack, in a thread."""
+    await pika_consume(queue, clock, prefetch, ack_every=0)
+
+
+async def pika_batched(queue: str, clock: Clock, prefetch: int) -> None:
+    """pika with manual acks, ``multiple=True`` every 50th, at prefetch 300 (issue 22)."""
+    await pika_consume(queue, clock, PIKA_BATCHED_PREFETCH, ack_every=50)
 
 
 class Unavailable(Exception):
@@ -276,7 +298,7 @@ async def make_store(kind: str, tmp: str) -> DedupStore | str | None:
     return store
 
 
-def reliable(dedup: str = "memory", *, batch_ack: bool = True) -> Runner:
+def reliable(dedup: str = "memory", *, batch_ack: bool = True, batches: bool = False) -> Runner:
     async def run(queue: str, clock: Clock, prefetch: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             store = await make_store(dedup, tmp)
@@ -290,9 +312,20 @@ def reliable(dedup: str = "memory", *, batch_ack: bool = True) -> Runner:
                 **traced,
             )
 
-            @consumer.handler(queue)
-            async def handler(body: bytes) -> None:
-                clock.tick()
+            if batches:
+
+                async def many(bodies: list[bytes]) -> None:
+                    for _ in bodies:
+                        clock.tick()
+
+                size = min(BATCH_MAX_SIZE, prefetch) if prefetch else BATCH_MAX_SIZE
+                consumer.add_batch_handler(queue, many, max_size=size)
+            else:
+
+                async def handler(body: bytes) -> None:
+                    clock.tick()
+
+                consumer.add_handler(queue, handler)
 
             try:
                 async with consumer:
@@ -309,8 +342,10 @@ MODES: dict[str, tuple[Runner, bool, bool]] = {
     AIO_AUTO: (aio_auto, False, True),
     "aio-pika manual ack per message": (aio_manual, False, True),
     PIKA_AUTO: (pika_auto, False, True),
+    PIKA_BATCHED: (pika_batched, False, True),
     RMQ_DEFAULTS: (reliable("memory"), True, True),
     RMQ_NO_DEDUP: (reliable("off"), True, True),
+    RMQ_BATCH: (reliable("memory", batches=True), True, True),
     "aio-pika ack multiple every 50 (ref)": (aio_multiple, False, False),
     "reliable_mq, ack per message, no dedup": (reliable("off", batch_ack=False), True, False),
     "reliable_mq, dedup SQLite": (reliable("sqlite"), True, False),
