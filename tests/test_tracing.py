@@ -29,7 +29,7 @@ from reliable_mq import ConnectionSettings, PublisherSettings, ReliablePublisher
 from reliable_mq._tracing import Tracing, consume_destination, publish_destination
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery
-from reliable_mq.errors import PublishUnroutable
+from reliable_mq.errors import PublishGaveUp, PublishUnroutable
 from reliable_mq.testing import TCPProxy
 from reliable_mq.topology import delete_topology
 from tests.conftest import proxied_url
@@ -218,6 +218,39 @@ class TestPublishSpan:
         assert span.attributes is not None
         assert span.attributes["error.type"] == "PublishUnroutable"
         assert span.status.status_code is StatusCode.ERROR
+
+    async def test_a_nacked_message_sets_error_type(self, broker_url: str, spans: Spans) -> None:
+        """The broker nacks every attempt (a full ``reject-publish`` queue): one span,
+        a ``republish`` event per resend with reason ``nack``, ``error.type`` the
+        error ``publish()`` raised (``PublishGaveUp``), status ERROR."""
+        name = f"test-tracing-nack-{uuid.uuid4().hex[:8]}"
+        connection_ = await aio_pika.connect(broker_url)
+        try:
+            channel = await connection_.channel()
+            full = await channel.declare_queue(
+                name, arguments={"x-max-length": 1, "x-overflow": "reject-publish"}
+            )
+            await channel.default_exchange.publish(aio_pika.Message(b"first"), routing_key=name)
+            async with ReliablePublisher(
+                connection(broker_url),
+                settings=fast(max_attempts=2),
+                registry=CollectorRegistry(),
+                tracer_provider=spans.provider,
+            ) as publisher:
+                with pytest.raises(PublishGaveUp) as raised:
+                    await publisher.publish(b"x", routing_key=name, message_id="nacked-1")
+            await full.delete(if_unused=False, if_empty=False)
+        finally:
+            await connection_.close()
+        [span] = spans.exporter.get_finished_spans()
+        assert span.name == f"publish {name}"
+        assert span.attributes is not None
+        assert span.attributes["error.type"] == type(raised.value).__name__ == "PublishGaveUp"
+        assert span.attributes["reliable_mq.publish.attempts"] == 2
+        assert span.attributes["messaging.message.id"] == "nacked-1"
+        assert span.status.status_code is StatusCode.ERROR
+        republishes = [event for event in span.events if event.name == "republish"]
+        assert [(e.attributes or {}).get("reason") for e in republishes] == ["nack"]
 
     async def test_a_republish_is_an_event_on_the_one_span(
         self, broker_url: str, queue: str, spans: Spans
