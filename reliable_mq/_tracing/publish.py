@@ -41,6 +41,37 @@ __all__ = (
 # -- publish ----------------------------------------------------------------------------
 
 
+def _producer_span(
+    tracer: Any,
+    operation: str,
+    exchange: str,
+    routing_key: str,
+    *,
+    correlation_id: Any = None,
+    message_id: str = "",
+    url: URL | None = None,
+) -> Any:
+    """Start a PRODUCER span ``{operation} {destination}`` (``publish``: a send;
+    ``create``: a message's creation context) with the conventions' attributes."""
+    destination = publish_destination(exchange, routing_key)
+    attributes: dict[str, Any] = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": "send" if operation == "publish" else operation,
+        "messaging.operation.name": operation,
+        "messaging.destination.name": destination,
+    }
+    if message_id:
+        attributes["messaging.message.id"] = message_id
+    if routing_key:
+        attributes["messaging.rabbitmq.destination.routing_key"] = routing_key
+    if correlation_id and isinstance(correlation_id, str):
+        attributes["messaging.message.conversation_id"] = correlation_id
+    _server(url, attributes)
+    return tracer.start_span(
+        f"{operation} {destination}", kind=trace.SpanKind.PRODUCER, attributes=attributes
+    )
+
+
 @_guarded(_no_span)
 def start_publish(
     tracer: Any,
@@ -56,20 +87,8 @@ def start_publish(
         ``(span, headers)``: the headers with the span's ``traceparent`` added,
         unless they carry one already (or are not a mapping: the encoder refuses them).
     """
-    destination = publish_destination(exchange, routing_key)
-    attributes: dict[str, Any] = {
-        "messaging.system": "rabbitmq",
-        "messaging.operation.type": "send",
-        "messaging.operation.name": "publish",
-        "messaging.destination.name": destination,
-    }
-    if routing_key:
-        attributes["messaging.rabbitmq.destination.routing_key"] = routing_key
-    if correlation_id and isinstance(correlation_id, str):
-        attributes["messaging.message.conversation_id"] = correlation_id
-    _server(url, attributes)
-    span = tracer.start_span(
-        f"publish {destination}", kind=trace.SpanKind.PRODUCER, attributes=attributes
+    span = _producer_span(
+        tracer, "publish", exchange, routing_key, correlation_id=correlation_id, url=url
     )
     if headers is None or (isinstance(headers, Mapping) and TRACEPARENT not in headers):
         carrier: dict[str, Any] = dict(headers) if headers else {}
@@ -152,20 +171,8 @@ def batch_message(
     if tracer is None:
         _propagate().inject(carrier, context=trace.set_span_in_context(batch))
         return None, carrier, None
-    destination = publish_destination(exchange, routing_key)
-    attributes: dict[str, Any] = {
-        "messaging.system": "rabbitmq",
-        "messaging.operation.type": "create",
-        "messaging.operation.name": "create",
-        "messaging.destination.name": destination,
-    }
-    if routing_key:
-        attributes["messaging.rabbitmq.destination.routing_key"] = routing_key
-    if correlation_id and isinstance(correlation_id, str):
-        attributes["messaging.message.conversation_id"] = correlation_id
-    _server(url, attributes)
-    span = tracer.start_span(
-        f"create {destination}", kind=trace.SpanKind.PRODUCER, attributes=attributes
+    span = _producer_span(
+        tracer, "create", exchange, routing_key, correlation_id=correlation_id, url=url
     )
     _propagate().inject(carrier, context=trace.set_span_in_context(span))
     return span, carrier, span.get_span_context()
@@ -253,19 +260,7 @@ def stamp_creation(
         carrier: dict[str, Any] = dict(headers) if headers else {}
         _propagate().inject(carrier)
         return carrier
-    destination = publish_destination(exchange, routing_key)
-    attributes: dict[str, Any] = {
-        "messaging.system": "rabbitmq",
-        "messaging.operation.type": "create",
-        "messaging.operation.name": "create",
-        "messaging.destination.name": destination,
-        "messaging.message.id": message_id,
-    }
-    if routing_key:
-        attributes["messaging.rabbitmq.destination.routing_key"] = routing_key
-    span = tracer.start_span(
-        f"create {destination}", kind=trace.SpanKind.PRODUCER, attributes=attributes
-    )
+    span = _producer_span(tracer, "create", exchange, routing_key, message_id=message_id)
     span.end()
     carrier = dict(headers) if headers else {}
     _propagate().inject(carrier, context=trace.set_span_in_context(span))
