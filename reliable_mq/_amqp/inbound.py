@@ -72,6 +72,7 @@ from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
 from . import hooks
+from .direct import DirectChannel, DirectChannels
 from .faults import reader_error
 from .fields import A_ARRAY, F_TABLE, T_TIMESTAMP, read_scalar, read_table, timestamp_of
 
@@ -143,36 +144,58 @@ def take_deliveries(channel: aiormq.Channel, on_delivery: OnDelivery) -> None:
         frames.task_done()
         return frame
 
-    async def on_deliver(frame: Basic.Deliver) -> None:
-        # The header and the body have usually arrived with the method frame:
-        # take them without a coroutine each.
-        if frames.empty():
-            header = await get_frame()
-        else:
-            header = frames.get_nowait()[1]
-            frames.task_done()
-        if not isinstance(header, ContentHeader):
-            raise ValueError(f"Unexpected frame {header!r} instead of ContentHeader", header)
-        size = header.body_size or 0
-        body = b""
-        if size:
-            if frames.empty():
-                content = await get_frame()
-            else:
-                content = frames.get_nowait()[1]
-                frames.task_done()
-            if not isinstance(content, ContentBody):
-                raise ValueError(f"Unexpected frame {content!r}", content)
-            body = content.value
-            if len(body) < size:
-                body = await _rest(body, size, next_frame)
+    def hand(frame: Basic.Deliver, header: ContentHeader, body: bytes) -> None:
         if frame.consumer_tag in consumers:
             if type(frame) is plain_deliver and type(header) is plain_header:
                 on_delivery(frame, header.properties, body, None)
             else:
                 on_delivery(frame, header.properties, body, _undecodable(frame, header))
 
+    direct = DirectChannels.registered(channel.connection)
+    taker = None if direct is None else DirectChannel.of(frames, hand)
+
+    async def on_deliver(frame: Basic.Deliver) -> None:
+        # The header and the body have usually arrived with the method frame:
+        # take them without a coroutine each.
+        if taker is not None:
+            taker.mid_content = True  # not idle: the frame reader must not hand over
+        try:
+            header, body = await _content(frames, get_frame, next_frame)
+        finally:
+            if taker is not None:
+                taker.mid_content = False
+        hand(frame, header, body)
+
     hooks.install_deliver_handler(channel, on_deliver)
+    if direct is not None and taker is not None:
+        direct.register(int(channel.number), taker, channel.closing)
+
+
+async def _content(
+    frames: Any, get_frame: Callable[[], Any], next_frame: Callable[[], Any]
+) -> tuple[ContentHeader, bytes]:
+    """A delivery's content header and body, off the channel's frame queue."""
+    if frames.empty():
+        header = await get_frame()
+    else:
+        header = frames.get_nowait()[1]
+        frames.task_done()
+    if not isinstance(header, ContentHeader):
+        raise ValueError(f"Unexpected frame {header!r} instead of ContentHeader", header)
+    size = header.body_size or 0
+    body = b""
+    if size:
+        if frames.empty():
+            content = await get_frame()
+        else:
+            content = frames.get_nowait()[1]
+            frames.task_done()
+        if not isinstance(content, ContentBody):
+            raise ValueError(f"Unexpected frame {content!r}", content)
+        body = content.value
+        if len(body) < size:
+            body = await _rest(body, size, next_frame)
+    return header, body
 
 
 def _undecodable(frame: Basic.Deliver, header: ContentHeader) -> Undecodable | None:
@@ -226,28 +249,45 @@ _PROPERTIES = (  # AMQP 0-9-1 basic properties in wire order: pamqp's slot name,
 _taken: weakref.WeakSet[Any] = weakref.WeakSet()  # receivers whose get_frame is ours
 
 
-def take_frames(receiver: Any) -> None:
+def take_frames(receiver: Any, connection: Any = None) -> None:
     """Decode with `decode_frame` from now on the frames ``receiver`` reads (once each).
 
     ``receiver``: aiormq's frame receiver of a connection, found and checked by
-    `reliable_mq._amqp.hooks.find_receiver`.
+    `reliable_mq._amqp.hooks.find_receiver`. With its ``connection``, the
+    deliveries of the channels `take_deliveries` takes on it are handed over
+    by the frame reader itself (`reliable_mq._amqp.direct`).
     """
     if receiver in _taken:
         return
     reader = receiver.reader
+    direct = None if connection is None else DirectChannels.of(connection)
+    channels = {} if direct is None else direct.channels
+    stamp = (lambda: None) if direct is None else direct.stamp
+    delivers = (Basic.Deliver, UndecodableDeliver)
+
+    async def read() -> tuple[int, int, Any]:
+        head = await reader.readexactly(7)
+        return decode_frame(head, await reader.readexactly(_FRAME_HEADER.unpack(head)[2] + 1))
 
     async def get_frame() -> tuple[int, int, Any]:
-        if reader.at_eof():
-            raise StopAsyncIteration
-        try:
-            head = await reader.readexactly(7)
-            rest = await reader.readexactly(_FRAME_HEADER.unpack(head)[2] + 1)
-            return decode_frame(head, rest)
-        except Exception as exc:
-            mapped = reader_error(exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
+        while True:
+            if reader.at_eof():
+                raise StopAsyncIteration
+            try:
+                received = await read()
+                if channels and type(received[2]) in delivers:
+                    taker = channels.get(received[1])
+                    if taker is not None and taker.idle():
+                        handed = await taker.take(received, read, stamp)
+                        if handed is None:
+                            continue  # handed over: the next frame
+                        received = handed
+                return received
+            except Exception as exc:
+                mapped = reader_error(exc)
+                if mapped is None:
+                    raise
+                raise mapped from exc
 
     hooks.install_frame_decoder(receiver, get_frame)
     _taken.add(receiver)

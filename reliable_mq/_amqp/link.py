@@ -84,7 +84,7 @@ class Link:
         dead-lettered by the consumer instead of closing the connection.
         """
         if self.fast:
-            take_frames(self._receiver)
+            take_frames(self._receiver, self._connection)
 
     @property
     def is_closed(self) -> bool:

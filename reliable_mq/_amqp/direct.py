@@ -1,0 +1,175 @@
+"""Deliveries handed over by the connection's frame reader itself (the direct path).
+
+With our frame decoder (`reliable_mq._amqp.inbound.take_frames`) a delivery
+still took aiormq's route: each of its three frames went once round aiormq's
+connection reader loop, into the channel's frame queue, and out again in the
+channel's reader task, which ran our delivery handler
+(`reliable_mq._amqp.inbound.take_deliveries`). On a consumer that was about a
+third of the client's CPU per delivery: three loop turns, three queue puts and
+gets, three task wake-ups.
+
+On the direct path the frame decoder, having read a ``basic.deliver`` for a
+channel registered here (`DirectChannels.register`), reads the delivery's
+content header and body frame at once (from the stream's buffer, where they
+nearly always are already) and hands the delivery to the same function the
+channel's reader would have called (``hand``), synchronously, without leaving
+the connection's reader task. It does so only while the channel's reader is
+idle: nothing queued for it, its reader task waiting for a frame, not half-way
+through a delivery of its own (`DirectChannel.idle`); so every channel's
+frames are still handled in the order they came. Anything else goes the usual
+way, in order:
+
+* a delivery whose body spans several frames, or whose next frame is another
+  channel's or not of the kind expected: the frames read so far are put in the
+  channel's queue as aiormq's reader would have put them, and the last one is
+  returned to aiormq's reader loop;
+* the frames of a channel not registered (channel 0, the publisher's, tools'),
+  and every other frame of a registered one (``basic.cancel``, RPC replies,
+  ``channel.close``).
+
+aiormq notes the time of every frame it reads (``__last_frame_time``), and its
+heartbeat task ends a connection that received nothing for too long: the
+direct path notes it too, for each delivery it hands over. The hooks into
+asyncio's and aiormq's private attributes are checked when a channel or a
+connection registers (`DirectChannels.of`, `DirectChannel.of`); where one is
+missing, its deliveries go the usual way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pamqp.body import ContentBody
+from pamqp.header import ContentHeader
+
+__all__ = ("DirectChannel", "DirectChannels", "Hand", "Received")
+
+Received = tuple[int, int, Any]
+"""A decoded frame as the frame receiver returns it: ``(bytes used, channel, frame)``."""
+
+Hand = Callable[[Any, Any, bytes], None]
+"""``hand(deliver frame, content header, body)``: the channel's delivery handler's
+synchronous end. It must not raise."""
+
+_LAST_FRAME_TIME = "_Connection__last_frame_time"  # aiormq.Connection.__last_frame_time
+
+_of: weakref.WeakKeyDictionary[Any, DirectChannels] = weakref.WeakKeyDictionary()
+
+
+class DirectChannel:
+    """One registered channel: its frame queue, and whether its reader is idle.
+
+    Attributes:
+        mid_content: the channel's own delivery handler waits for a content
+            frame (set by it): its reader is not idle.
+    """
+
+    __slots__ = ("_getters", "_queue", "frames", "hand", "mid_content")
+
+    def __init__(self, frames: asyncio.Queue[Any], hand: Hand) -> None:
+        self.frames = frames
+        self._queue: collections.deque[Any] = frames._queue  # type: ignore[attr-defined]
+        self._getters: collections.deque[Any] = frames._getters  # type: ignore[attr-defined]
+        self.hand = hand
+        self.mid_content = False
+
+    @classmethod
+    def of(cls, frames: asyncio.Queue[Any], hand: Hand) -> DirectChannel | None:
+        """A registration for a channel with the frame queue ``frames`` (None: the
+        queue lacks the private deques this relies on)."""
+        queue = getattr(frames, "_queue", None)
+        getters = getattr(frames, "_getters", None)
+        if not isinstance(queue, collections.deque) or not isinstance(getters, collections.deque):
+            return None
+        return cls(frames, hand)
+
+    def idle(self) -> bool:
+        """Nothing queued for the channel, and its reader waits for a frame."""
+        return not self._queue and bool(self._getters) and not self.mid_content
+
+    async def take(
+        self, first: Received, read: Callable[[], Awaitable[Received]], stamp: Callable[[], None]
+    ) -> Received | None:
+        """Read the rest of the delivery ``first`` starts and hand it over (None).
+
+        Or, where that cannot be done (see the module doc), queue the frames
+        read so far for the channel and return the last one, for aiormq's
+        reader loop to handle.
+        """
+        number, got = first[1], [first]
+        second = await read()
+        got.append(second)
+        header = second[2]
+        if second[1] != number or not isinstance(header, ContentHeader):
+            return self._queue_all(got)
+        body = b""
+        size = header.body_size or 0
+        if size:
+            third = await read()
+            got.append(third)
+            content = third[2]
+            if third[1] != number or type(content) is not ContentBody:
+                return self._queue_all(got)
+            body = content.value
+            if len(body) != size:  # more body frames follow: the channel reads them
+                return self._queue_all(got)
+        if not self.idle():  # the channel changed while we read (closed, say)
+            return self._queue_all(got)
+        stamp()
+        self.hand(first[2], header, body)
+        return None
+
+    def _queue_all(self, got: list[Received]) -> Received:
+        put = self.frames.put_nowait
+        for used, _, frame in got[:-1]:
+            put((used, frame))
+        return got[-1]
+
+
+class DirectChannels:
+    """The registered channels of one connection, by number."""
+
+    __slots__ = ("channels", "stamp")
+
+    def __init__(self, stamp: Callable[[], None]) -> None:
+        self.channels: dict[int, DirectChannel] = {}
+        self.stamp = stamp
+
+    @classmethod
+    def of(cls, connection: Any) -> DirectChannels | None:
+        """The registry of ``connection`` (made on the first call; None: it lacks
+        aiormq's last-frame time this relies on)."""
+        if not isinstance(getattr(connection, _LAST_FRAME_TIME, None), float):
+            return None
+        found = _of.get(connection)
+        if found is not None:
+            return found
+        loop = asyncio.get_running_loop()
+
+        def stamp() -> None:
+            setattr(connection, _LAST_FRAME_TIME, loop.time())
+
+        found = _of[connection] = cls(stamp)
+        return found
+
+    @staticmethod
+    def registered(connection: Any) -> DirectChannels | None:
+        """The registry of ``connection`` if its frame decoder takes deliveries directly."""
+        return _of.get(connection)
+
+    def register(self, number: int, channel: DirectChannel, closing: asyncio.Future[Any]) -> None:
+        """Hand channel ``number``'s deliveries over directly until ``closing`` is done."""
+        self.channels[number] = channel
+
+        def closed(_: asyncio.Future[Any]) -> None:
+            if self.channels.get(number) is channel:
+                del self.channels[number]
+
+        if closing.done():
+            closed(closing)
+        else:
+            closing.add_done_callback(closed)

@@ -1,0 +1,256 @@
+"""The direct path (`reliable_mq._amqp.direct`): deliveries handed over by the frame reader.
+
+A delivery is handed over only whole (method, header, one body frame) and only
+while its channel's reader is idle; anything else is queued for the channel
+exactly as aiormq's reader would have queued it, in order, the last frame read
+going back to aiormq's loop. Unit tests drive `DirectChannel.take` with a real
+``asyncio.Queue`` and a real waiting reader task; against the broker, the
+consumer's channel is registered, deliveries of every body size arrive in tag
+order with the publisher's frames interleaved on another connection, and
+aiormq's last-frame time advances while only deliveries arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aio_pika
+import pytest
+from pamqp.body import ContentBody
+from pamqp.commands import Basic
+from pamqp.header import ContentHeader
+from prometheus_client import CollectorRegistry
+
+from reliable_mq import ReliableConsumer
+from reliable_mq._amqp.direct import DirectChannel, DirectChannels, Received
+from reliable_mq.delivery import Delivery
+from reliable_mq.topology import QueueTopology, delete_topology
+from tests.support.waiting import wait_until
+
+URL = os.environ.get("RELIABLE_MQ_TEST_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+def _deliver(tag: int) -> Basic.Deliver:
+    return Basic.Deliver(consumer_tag="ctag", delivery_tag=tag, routing_key="q")
+
+
+def _header(size: int) -> ContentHeader:
+    return ContentHeader(body_size=size, properties=Basic.Properties(message_id="m"))
+
+
+def _reads(*frames: Received) -> Callable[[], Awaitable[Received]]:
+    pending = list(frames)
+
+    async def read() -> Received:
+        return pending.pop(0)
+
+    return read
+
+
+class _Channel:
+    """A channel frame queue with a reader task waiting on it, as aiormq's is when idle."""
+
+    def __init__(self) -> None:
+        self.frames: asyncio.Queue[Any] = asyncio.Queue(maxsize=10)
+        self.handed: list[tuple[Any, Any, bytes]] = []
+        self.stamps = 0
+        taker = DirectChannel.of(self.frames, lambda *args: self.handed.append(args))
+        assert taker is not None
+        self.taker = taker
+        self.reader: asyncio.Task[Any] | None = None
+
+    async def wait_idle(self) -> None:
+        self.reader = asyncio.create_task(self.frames.get())
+        await asyncio.sleep(0)  # the reader now waits in get()
+
+    def stamp(self) -> None:
+        self.stamps += 1
+
+    async def take(self, *frames: Received) -> Received | None:
+        return await self.taker.take(frames[0], _reads(*frames[1:]), self.stamp)
+
+    def queued(self) -> list[Any]:
+        return [self.frames.get_nowait()[1] for _ in range(self.frames.qsize())]
+
+    def stop(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+
+
+@pytest.fixture(name="channel")
+async def _channel() -> AsyncIterator[_Channel]:
+    channel = _Channel()
+    await channel.wait_idle()
+    yield channel
+    channel.stop()
+
+
+@pytest.mark.unit
+class TestTake:
+    async def test_a_whole_delivery_is_handed_over(self, channel: _Channel) -> None:
+        """Method, header and its one body frame: handed over, nothing queued, time noted."""
+        deliver, header, body = _deliver(1), _header(3), ContentBody(b"abc")
+        assert channel.taker.idle()
+        assert await channel.take((20, 1, deliver), (30, 1, header), (11, 1, body)) is None
+        assert channel.handed == [(deliver, header, b"abc")]
+        assert channel.queued() == []
+        assert channel.stamps == 1
+
+    async def test_an_empty_body_takes_two_frames(self, channel: _Channel) -> None:
+        """A header with body size 0 ends the delivery: no body frame is read."""
+        deliver, header = _deliver(1), _header(0)
+        assert await channel.take((20, 1, deliver), (30, 1, header)) is None
+        assert channel.handed == [(deliver, header, b"")]
+
+    async def test_a_body_of_several_frames_goes_to_the_channel(self, channel: _Channel) -> None:
+        """The method and header are queued in order; the first body frame returns to aiormq."""
+        deliver, header, part = _deliver(1), _header(5), ContentBody(b"abc")
+        returned = await channel.take((20, 1, deliver), (30, 1, header), (11, 1, part))
+        assert returned == (11, 1, part)
+        assert channel.handed == []
+        assert channel.queued() == [deliver, header]
+        assert channel.stamps == 0
+
+    async def test_another_channels_frame_in_between(self, channel: _Channel) -> None:
+        """A frame of another channel after the method: the method is queued, that frame returned."""
+        deliver, other = _deliver(1), _header(3)
+        returned = await channel.take((20, 1, deliver), (30, 2, other))
+        assert returned == (30, 2, other)
+        assert channel.queued() == [deliver]
+
+    async def test_a_frame_of_the_wrong_kind_goes_to_the_channel(self, channel: _Channel) -> None:
+        """No header after the method: queued for the channel's reader, which raises as aiormq."""
+        deliver, wrong = _deliver(1), ContentBody(b"x")
+        returned = await channel.take((20, 1, deliver), (9, 1, wrong))
+        assert returned == (9, 1, wrong)
+        assert channel.queued() == [deliver]
+        assert channel.handed == []
+
+    async def test_a_channel_busy_meanwhile_gets_the_frames(self, channel: _Channel) -> None:
+        """The reader stopped waiting while the frames were read: queued, not handed over."""
+
+        async def read_and_stop() -> Received:
+            channel.stop()
+            await asyncio.sleep(0)
+            return (30, 1, _header(0))
+
+        deliver = _deliver(1)
+        returned = await channel.taker.take((20, 1, deliver), read_and_stop, channel.stamp)
+        assert returned is not None and isinstance(returned[2], ContentHeader)
+        assert channel.handed == [] and channel.queued() == [deliver]
+
+
+@pytest.mark.unit
+class TestIdle:
+    async def test_not_idle_without_a_waiting_reader(self) -> None:
+        """A reader busy with a frame (not in get()) is not idle."""
+        channel = _Channel()
+        assert not channel.taker.idle()
+
+    async def test_not_idle_with_frames_queued(self, channel: _Channel) -> None:
+        """Frames queued before (the reader not yet woken) keep later ones behind them."""
+        channel.frames.put_nowait((1, "x"))
+        assert not channel.taker.idle()
+
+    async def test_not_idle_mid_content(self, channel: _Channel) -> None:
+        """The channel's own handler waits for a header or a body: not idle."""
+        channel.taker.mid_content = True
+        assert not channel.taker.idle()
+
+    async def test_a_queue_without_the_private_deques_is_refused(self) -> None:
+        """An asyncio.Queue of another shape: no direct path (deliveries go the usual way)."""
+
+        class _Other:
+            pass
+
+        assert DirectChannel.of(_Other(), lambda *args: None) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+class TestRegistry:
+    async def test_a_closed_channel_is_unregistered(self, channel: _Channel) -> None:
+        """Registered until its closing future is done; a later channel of that number stays."""
+
+        class _Connection:
+            _Connection__last_frame_time = 0.0
+
+        connection = _Connection()
+        direct = DirectChannels.of(connection)
+        assert direct is not None and DirectChannels.registered(connection) is direct
+        closing: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        direct.register(1, channel.taker, closing)
+        assert direct.channels == {1: channel.taker}
+        later = DirectChannel.of(asyncio.Queue(), lambda *args: None)
+        assert later is not None
+        direct.register(1, later, asyncio.get_running_loop().create_future())
+        closing.set_result(None)
+        await asyncio.sleep(0)
+        assert direct.channels == {1: later}
+        direct.stamp()
+        assert connection._Connection__last_frame_time > 0
+
+    async def test_a_connection_without_the_frame_time_is_refused(self) -> None:
+        """An aiormq without ``__last_frame_time``: no direct path on that connection."""
+        assert DirectChannels.of(object()) is None
+
+
+@pytest.mark.rabbitmq
+class TestOnTheBroker:
+    @pytest.fixture(name="queue")
+    async def _queue(self) -> AsyncIterator[str]:
+        queue = f"test-direct-{uuid.uuid4().hex[:10]}"
+        yield queue
+        connection = await aio_pika.connect(URL)
+        try:
+            await delete_topology(await connection.channel(), QueueTopology(queue))
+        finally:
+            await connection.close()
+
+    async def test_deliveries_arrive_whole_and_in_order(self, queue: str) -> None:
+        """Mixed body sizes (one frame, several, none): every one intact, in tag order,
+        most of them handed over directly; aiormq's last-frame time advances."""
+        sizes = [0, 1, 256, 300_000, 256, 0, 131_064, 131_065, *([64] * 200)]
+        bodies = [os.urandom(size) for size in sizes]
+        seen: list[tuple[int, bytes]] = []
+        consumer = ReliableConsumer(URL, registry=CollectorRegistry(), dedup=None)
+
+        @consumer.handler(queue)
+        async def handle(body: bytes, delivery: Delivery) -> None:
+            seen.append((delivery.delivery_tag or 0, body))
+
+        async with consumer:
+            link = consumer._supervisor.connection
+            assert link is not None and link.fast
+            direct = DirectChannels.registered(link._connection)
+            assert direct is not None and len(direct.channels) == 1
+            (taker,) = direct.channels.values()
+            handed = 0
+            real_hand = taker.hand
+
+            def counting(*args: Any) -> None:
+                nonlocal handed
+                handed += 1
+                real_hand(*args)
+
+            taker.hand = counting
+            before = link._connection._Connection__last_frame_time
+            connection = await aio_pika.connect(URL)
+            try:
+                channel = await connection.channel(publisher_confirms=True)
+                for index, body in enumerate(bodies):
+                    await channel.default_exchange.publish(
+                        aio_pika.Message(body, message_id=f"m{index}"), routing_key=queue
+                    )
+            finally:
+                await connection.close()
+            await wait_until(lambda: len(seen) == len(bodies), timeout=30, what="every body")
+            assert link._connection._Connection__last_frame_time > before
+        assert [body for _, body in seen] == bodies
+        tags = [tag for tag, _ in seen]
+        assert tags == sorted(tags)
+        assert handed >= len(bodies) // 2, handed
+        assert consumer.stats().acked == len(bodies)
