@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import struct
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -46,7 +47,7 @@ from typing import Any
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
-__all__ = ("DirectChannel", "DirectChannels", "Hand", "Received")
+__all__ = ("DirectChannel", "DirectChannels", "Hand", "Received", "buffered")
 
 Received = tuple[int, int, Any]
 """A decoded frame as the frame receiver returns it: ``(bytes used, channel, frame)``."""
@@ -55,6 +56,7 @@ Hand = Callable[[Any, Any, bytes], None]
 """``hand(deliver frame, content header, body)``: the channel's delivery handler's
 synchronous end. It must not raise."""
 
+_FRAME_HEADER = struct.Struct(">BHI")
 _LAST_FRAME_TIME = "_Connection__last_frame_time"  # aiormq.Connection.__last_frame_time
 
 _of: weakref.WeakKeyDictionary[Any, DirectChannels] = weakref.WeakKeyDictionary()
@@ -92,16 +94,21 @@ class DirectChannel:
         return not self._queue and bool(self._getters) and not self.mid_content
 
     async def take(
-        self, first: Received, read: Callable[[], Awaitable[Received]], stamp: Callable[[], None]
+        self,
+        first: Received,
+        read_now: Callable[[], Received | None],
+        read: Callable[[], Awaitable[Received]],
+        stamp: Callable[[], None],
     ) -> Received | None:
         """Read the rest of the delivery ``first`` starts and hand it over (None).
 
         Or, where that cannot be done (see the module doc), queue the frames
         read so far for the channel and return the last one, for aiormq's
-        reader loop to handle.
+        reader loop to handle. ``read_now`` decodes a frame already in the
+        stream's buffer (None: not all there), ``read`` waits for one.
         """
         number, got = first[1], [first]
-        second = await read()
+        second = read_now() or await read()
         got.append(second)
         header = second[2]
         if second[1] != number or not isinstance(header, ContentHeader):
@@ -109,7 +116,7 @@ class DirectChannel:
         body = b""
         size = header.body_size or 0
         if size:
-            third = await read()
+            third = read_now() or await read()
             got.append(third)
             content = third[2]
             if third[1] != number or type(content) is not ContentBody:
@@ -173,3 +180,34 @@ class DirectChannels:
             closed(closing)
         else:
             closing.add_done_callback(closed)
+
+
+def buffered(
+    reader: asyncio.StreamReader, decode: Callable[[bytes, bytes], Received]
+) -> Callable[[], Received | None]:
+    """A function decoding the next frame when it is whole in ``reader``'s buffer.
+
+    It returns None when the frame is not all there yet (the caller awaits
+    ``readexactly`` then); it takes the frame out of the buffer as
+    ``readexactly`` does (and resumes a transport paused for a full buffer), in
+    one step instead of two awaited calls. A reader without asyncio's buffer
+    (another implementation) gets a function that always returns None.
+    """
+    buffer = getattr(reader, "_buffer", None)
+    resume = getattr(reader, "_maybe_resume_transport", None)
+    if not isinstance(buffer, bytearray) or not callable(resume):
+        return lambda: None
+    unpack = _FRAME_HEADER.unpack_from
+
+    def read_now() -> Received | None:
+        if len(buffer) < 7:
+            return None
+        end = unpack(buffer)[2] + 8
+        if len(buffer) < end:
+            return None
+        head, rest = bytes(buffer[:7]), bytes(buffer[7:end])
+        del buffer[:end]
+        resume()
+        return decode(head, rest)
+
+    return read_now

@@ -72,7 +72,7 @@ from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
 from . import hooks
-from .direct import DirectChannel, DirectChannels
+from .direct import DirectChannel, DirectChannels, buffered
 from .faults import reader_error
 from .fields import A_ARRAY, F_TABLE, T_TIMESTAMP, read_scalar, read_table, timestamp_of
 
@@ -265,6 +265,8 @@ def take_frames(receiver: Any, connection: Any = None) -> None:
     stamp = (lambda: None) if direct is None else direct.stamp
     delivers = (Basic.Deliver, UndecodableDeliver)
 
+    read_now = buffered(reader, decode_frame)
+
     async def read() -> tuple[int, int, Any]:
         head = await reader.readexactly(7)
         return decode_frame(head, await reader.readexactly(_FRAME_HEADER.unpack(head)[2] + 1))
@@ -274,11 +276,11 @@ def take_frames(receiver: Any, connection: Any = None) -> None:
             if reader.at_eof():
                 raise StopAsyncIteration
             try:
-                received = await read()
+                received = read_now() or await read()
                 if channels and type(received[2]) in delivers:
                     taker = channels.get(received[1])
                     if taker is not None and taker.idle():
-                        handed = await taker.take(received, read, stamp)
+                        handed = await taker.take(received, read_now, read, stamp)
                         if handed is None:
                             continue  # handed over: the next frame
                         received = handed

@@ -17,8 +17,10 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from unittest import mock
 
 import aio_pika
+import pamqp.frame
 import pytest
 from pamqp.body import ContentBody
 from pamqp.commands import Basic
@@ -26,7 +28,8 @@ from pamqp.header import ContentHeader
 from prometheus_client import CollectorRegistry
 
 from reliable_mq import ReliableConsumer
-from reliable_mq._amqp.direct import DirectChannel, DirectChannels, Received
+from reliable_mq._amqp.direct import DirectChannel, DirectChannels, Received, buffered
+from reliable_mq._amqp.inbound import decode_frame
 from reliable_mq.delivery import Delivery
 from reliable_mq.topology import QueueTopology, delete_topology
 from tests.support.waiting import wait_until
@@ -51,6 +54,10 @@ def _reads(*frames: Received) -> Callable[[], Awaitable[Received]]:
     return read
 
 
+def _nothing() -> None:
+    return None
+
+
 class _Channel:
     """A channel frame queue with a reader task waiting on it, as aiormq's is when idle."""
 
@@ -71,7 +78,7 @@ class _Channel:
         self.stamps += 1
 
     async def take(self, *frames: Received) -> Received | None:
-        return await self.taker.take(frames[0], _reads(*frames[1:]), self.stamp)
+        return await self.taker.take(frames[0], _nothing, _reads(*frames[1:]), self.stamp)
 
     def queued(self) -> list[Any]:
         return [self.frames.get_nowait()[1] for _ in range(self.frames.qsize())]
@@ -139,7 +146,7 @@ class TestTake:
             return (30, 1, _header(0))
 
         deliver = _deliver(1)
-        returned = await channel.taker.take((20, 1, deliver), read_and_stop, channel.stamp)
+        returned = await channel.taker.take((20, 1, deliver), _nothing, read_and_stop, channel.stamp)
         assert returned is not None and isinstance(returned[2], ContentHeader)
         assert channel.handed == [] and channel.queued() == [deliver]
 
@@ -196,6 +203,49 @@ class TestRegistry:
     async def test_a_connection_without_the_frame_time_is_refused(self) -> None:
         """An aiormq without ``__last_frame_time``: no direct path on that connection."""
         assert DirectChannels.of(object()) is None
+
+
+@pytest.mark.unit
+class TestBuffered:
+    async def test_whole_frames_are_taken_from_the_buffer(self) -> None:
+        """Two whole frames: decoded one by one, as readexactly would; then None."""
+        reader = asyncio.StreamReader()
+        deliver = pamqp.frame.marshal(_deliver(7), 1)
+        body = pamqp.frame.marshal(ContentBody(b"abc"), 1)
+        reader.feed_data(deliver + body)
+        read_now = buffered(reader, decode_frame)
+        first = read_now()
+        assert first is not None and first[:2] == (len(deliver), 1)
+        assert isinstance(first[2], Basic.Deliver) and first[2].delivery_tag == 7
+        second = read_now()
+        assert second is not None and second[2].value == b"abc"
+        assert read_now() is None
+
+    async def test_a_partial_frame_stays_in_the_buffer(self) -> None:
+        """Not all there: None, and readexactly later reads the frame whole."""
+        reader = asyncio.StreamReader()
+        data = pamqp.frame.marshal(ContentBody(b"abcdef"), 3)
+        reader.feed_data(data[:5])
+        read_now = buffered(reader, decode_frame)
+        assert read_now() is None
+        reader.feed_data(data[5:12])
+        assert read_now() is None
+        reader.feed_data(data[12:])
+        assert await reader.readexactly(len(data)) == data
+
+    async def test_a_transport_paused_for_a_full_buffer_resumes(self) -> None:
+        """Taking the frame out resumes reading, as readexactly does."""
+        reader = asyncio.StreamReader(limit=4)
+        transport = mock.Mock()
+        reader.set_transport(transport)
+        reader.feed_data(pamqp.frame.marshal(ContentBody(b"abcdef"), 3))
+        transport.pause_reading.assert_called_once()
+        assert buffered(reader, decode_frame)() is not None
+        transport.resume_reading.assert_called_once()
+
+    async def test_a_reader_of_another_shape_reads_nothing_now(self) -> None:
+        """No asyncio buffer: always None (the caller awaits readexactly)."""
+        assert buffered(object(), decode_frame)() is None  # type: ignore[arg-type]
 
 
 @pytest.mark.rabbitmq
