@@ -47,7 +47,7 @@ from typing import Any
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
-__all__ = ("DirectChannel", "DirectChannels", "Hand", "Received", "buffered")
+__all__ = ("DirectChannel", "DirectChannels", "Hand", "Received", "buffered", "whole_deliveries")
 
 Received = tuple[int, int, Any]
 """A decoded frame as the frame receiver returns it: ``(bytes used, channel, frame)``."""
@@ -57,6 +57,9 @@ Hand = Callable[[Any, Any, bytes], None]
 synchronous end. It must not raise."""
 
 _FRAME_HEADER = struct.Struct(">BHI")
+_METHOD_START = struct.Struct(">BHIHH")  # frame type, channel, size, class id, method id
+_BODY_SIZE = struct.Struct(">Q")
+_FRAME_END = 0xCE
 _LAST_FRAME_TIME = "_Connection__last_frame_time"  # aiormq.Connection.__last_frame_time
 
 _of: weakref.WeakKeyDictionary[Any, DirectChannels] = weakref.WeakKeyDictionary()
@@ -211,3 +214,73 @@ def buffered(
         return decode(head, rest)
 
     return read_now
+
+
+DecodeDelivery = Callable[[bytes, bytes], tuple[Any, Any] | None]
+"""``decode(deliver payload, header payload)``: the ``basic.deliver`` and content
+header frames, or None for anything but a plain one (it then goes frame by frame)."""
+
+
+def whole_deliveries(
+    reader: asyncio.StreamReader,
+    channels: dict[int, DirectChannel],
+    stamp: Callable[[], None],
+    decode: DecodeDelivery,
+) -> Callable[[], bool]:
+    """A function handing over the delivery at the head of ``reader``'s buffer, if it can.
+
+    It returns True once it handed one over: its three frames (method, header,
+    at most one body frame) were whole in the buffer, on a registered channel
+    that is idle, and decoded plainly (``decode``); they are taken out of the
+    buffer in one step, without a frame object or an awaited read each. Else
+    it returns False and takes nothing: the frames go through `buffered` and
+    `DirectChannel.take` (or aiormq's loop) one by one.
+    """
+    buffer = getattr(reader, "_buffer", None)
+    resume = getattr(reader, "_maybe_resume_transport", None)
+    if not isinstance(buffer, bytearray) or not callable(resume):
+        return lambda: False
+    method_start, frame_header, body_size_of = (
+        _METHOD_START.unpack_from,
+        _FRAME_HEADER.unpack_from,
+        _BODY_SIZE.unpack_from,
+    )
+
+    def take_whole() -> bool:  # noqa: PLR0911 (one return per way a delivery is not whole)
+        have = len(buffer)
+        if have < 11:
+            return False
+        kind, number, size, class_id, method_id = method_start(buffer)
+        if kind != 1 or class_id != 60 or method_id != 60:  # not a basic.deliver
+            return False
+        taker = channels.get(number)
+        if taker is None or not taker.idle():
+            return False
+        header_at = size + 8
+        if have < header_at + 21:  # frame header and the header's fixed 14 bytes
+            return False
+        kind, channel, header_size = frame_header(buffer, header_at)
+        body_at = header_at + header_size + 8
+        if kind != 2 or channel != number or header_size < 14 or have < body_at:
+            return False
+        (body_size,) = body_size_of(buffer, header_at + 11)
+        end = body_at + body_size + 8 if body_size else body_at
+        if have < end or buffer[header_at - 1] != _FRAME_END or buffer[body_at - 1] != _FRAME_END:
+            return False
+        if body_size:
+            kind, channel, frame_size = frame_header(buffer, body_at)
+            if kind != 3 or channel != number or frame_size != body_size:
+                return False
+            if buffer[end - 1] != _FRAME_END:
+                return False
+        frames = decode(bytes(buffer[7 : 7 + size]), bytes(buffer[header_at + 7 : body_at - 1]))
+        if frames is None:
+            return False
+        body = bytes(buffer[body_at + 7 : end - 1]) if body_size else b""
+        del buffer[:end]
+        resume()
+        stamp()
+        taker.hand(frames[0], frames[1], body)
+        return True
+
+    return take_whole

@@ -72,7 +72,7 @@ from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
 from . import hooks
-from .direct import DirectChannel, DirectChannels, buffered
+from .direct import DirectChannel, DirectChannels, buffered, whole_deliveries
 from .faults import reader_error
 from .fields import A_ARRAY, F_TABLE, T_TIMESTAMP, read_scalar, read_table, timestamp_of
 
@@ -266,6 +266,7 @@ def take_frames(receiver: Any, connection: Any = None) -> None:
     delivers = (Basic.Deliver, UndecodableDeliver)
 
     read_now = buffered(reader, decode_frame)
+    take_whole = whole_deliveries(reader, channels, stamp, _plain_delivery)
 
     async def read() -> tuple[int, int, Any]:
         head = await reader.readexactly(7)
@@ -276,6 +277,8 @@ def take_frames(receiver: Any, connection: Any = None) -> None:
             if reader.at_eof():
                 raise StopAsyncIteration
             try:
+                if channels and take_whole():
+                    continue  # a whole delivery was in the buffer: handed over
                 received = read_now() or await read()
                 if channels and type(received[2]) in delivers:
                     taker = channels.get(received[1])
@@ -331,6 +334,18 @@ def decode_frame(head: bytes, rest: bytes) -> tuple[int, int, Any]:
                 return used, channel, undecodable
             # Damaged: pamqp decodes it again, and says what is wrong.
     return pamqp.frame.unmarshal(head + rest)
+
+
+def _plain_delivery(deliver: bytes, header: bytes) -> tuple[Basic.Deliver, ContentHeader] | None:
+    """A delivery's method and content header payloads, decoded; None if either is not
+    plain (not UTF-8, a bad timestamp, two flag words, damaged): `decode_frame` then
+    decodes them one by one, and says what is wrong."""
+    try:
+        frame = _deliver(deliver)
+        content = content_header(header)
+    except Exception:
+        return None
+    return None if content is None else (frame, content)
 
 
 class _Reader(Protocol):

@@ -28,8 +28,14 @@ from pamqp.header import ContentHeader
 from prometheus_client import CollectorRegistry
 
 from reliable_mq import ReliableConsumer
-from reliable_mq._amqp.direct import DirectChannel, DirectChannels, Received, buffered
-from reliable_mq._amqp.inbound import decode_frame
+from reliable_mq._amqp.direct import (
+    DirectChannel,
+    DirectChannels,
+    Received,
+    buffered,
+    whole_deliveries,
+)
+from reliable_mq._amqp.inbound import _plain_delivery, decode_frame
 from reliable_mq.delivery import Delivery
 from reliable_mq.topology import QueueTopology, delete_topology
 from tests.support.waiting import wait_until
@@ -246,6 +252,85 @@ class TestBuffered:
     async def test_a_reader_of_another_shape_reads_nothing_now(self) -> None:
         """No asyncio buffer: always None (the caller awaits readexactly)."""
         assert buffered(object(), decode_frame)() is None  # type: ignore[arg-type]
+
+
+def _wire(body: bytes, *, channel: int = 1, header_channel: int = 1, key: str = "q") -> bytes:
+    """A delivery's frames as the broker sends them (the body in one frame)."""
+    props = Basic.Properties(message_id="m1", headers={"n": 1}, content_type="text/plain")
+    data = pamqp.frame.marshal(Basic.Deliver("ctag", 5, False, "ex", key), channel)
+    data += pamqp.frame.marshal(ContentHeader(0, len(body), props), header_channel)
+    if body:
+        data += pamqp.frame.marshal(ContentBody(body), channel)
+    return data
+
+
+@pytest.mark.unit
+class TestWholeDeliveries:
+    async def _take(self, channel: _Channel, data: bytes) -> tuple[bool, asyncio.StreamReader]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        take_whole = whole_deliveries(reader, {1: channel.taker}, channel.stamp, _plain_delivery)
+        return take_whole(), reader
+
+    @pytest.mark.parametrize("body", [b"", b"abc", os.urandom(4096)])
+    async def test_a_whole_delivery_is_handed_over_from_the_buffer(
+        self, channel: _Channel, body: bytes
+    ) -> None:
+        """Its frames leave the buffer; the frames handed over are pamqp's, the body intact."""
+        data = _wire(body)
+        taken, reader = await self._take(channel, data + b"next")
+        assert taken and channel.stamps == 1
+        assert await reader.read() == b"next"
+        ((deliver, header, got),) = channel.handed
+        assert got == body
+        assert (deliver.delivery_tag, deliver.exchange, deliver.routing_key) == (5, "ex", "q")
+        assert header.body_size == len(body)
+        assert header.properties.message_id == "m1"
+        assert header.properties.headers == {"n": 1}
+        assert header.properties.content_type == "text/plain"
+
+    @pytest.mark.parametrize("cut", [5, 11, 40, 60, -1])
+    async def test_a_partial_delivery_stays_in_the_buffer(self, channel: _Channel, cut: int) -> None:
+        """Not all there: nothing handed over, nothing taken."""
+        data = _wire(b"abc")
+        taken, reader = await self._take(channel, data[:cut])
+        assert not taken and channel.handed == []
+        assert await reader.read(len(data)) == data[:cut]
+
+    async def test_the_header_on_another_channel(self, channel: _Channel) -> None:
+        """Frames interleaved with another channel's: frame by frame instead."""
+        data = _wire(b"abc", header_channel=2)
+        taken, reader = await self._take(channel, data)
+        assert not taken and channel.handed == []
+        assert await reader.read(len(data)) == data
+
+    async def test_a_body_of_several_frames(self, channel: _Channel) -> None:
+        """More than one body frame: frame by frame (the channel reads the rest)."""
+        props = Basic.Properties(message_id="m1")
+        data = pamqp.frame.marshal(Basic.Deliver("ctag", 5, False, "ex", "q"), 1)
+        data += pamqp.frame.marshal(ContentHeader(0, 6, props), 1)
+        data += pamqp.frame.marshal(ContentBody(b"abc"), 1)
+        taken, reader = await self._take(channel, data)
+        assert not taken and channel.handed == []
+
+    async def test_a_routing_key_not_utf8_goes_frame_by_frame(self, channel: _Channel) -> None:
+        """Not plain: left for decode_frame, which escapes and names it."""
+        data = _wire(b"abc", key="qZZ").replace(b"qZZ", b"q\xff\xfe")
+        taken, reader = await self._take(channel, data)
+        assert not taken and channel.handed == []
+        assert await reader.read(len(data)) == data
+
+    async def test_not_while_the_channel_is_busy(self, channel: _Channel) -> None:
+        """Frames queued for the channel: the delivery waits its turn."""
+        channel.frames.put_nowait((1, "earlier"))
+        taken, _ = await self._take(channel, _wire(b"abc"))
+        assert not taken and channel.handed == []
+
+    async def test_another_channel_is_not_taken(self, channel: _Channel) -> None:
+        """A channel not registered: aiormq's."""
+        taken, _ = await self._take(channel, _wire(b"abc", channel=3, header_channel=3))
+        assert not taken
 
 
 @pytest.mark.rabbitmq
