@@ -47,6 +47,8 @@ from typing import Any
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
+from . import hooks
+
 __all__ = ("DirectChannel", "DirectChannels", "Hand", "Received", "buffered", "whole_deliveries")
 
 Received = tuple[int, int, Any]
@@ -60,7 +62,6 @@ _FRAME_HEADER = struct.Struct(">BHI")
 _METHOD_START = struct.Struct(">BHIHH")  # frame type, channel, size, class id, method id
 _BODY_SIZE = struct.Struct(">Q")
 _FRAME_END = 0xCE
-_LAST_FRAME_TIME = "_Connection__last_frame_time"  # aiormq.Connection.__last_frame_time
 
 _of: weakref.WeakKeyDictionary[Any, DirectChannels] = weakref.WeakKeyDictionary()
 
@@ -73,12 +74,16 @@ class DirectChannel:
             frame (set by it): its reader is not idle.
     """
 
-    __slots__ = ("_getters", "_queue", "frames", "hand", "mid_content")
+    __slots__ = ("_getters", "_items", "frames", "hand", "mid_content")
 
-    def __init__(self, frames: asyncio.Queue[Any], hand: Hand) -> None:
+    def __init__(
+        self,
+        frames: asyncio.Queue[Any],
+        deques: tuple[collections.deque[Any], collections.deque[Any]],
+        hand: Hand,
+    ) -> None:
         self.frames = frames
-        self._queue: collections.deque[Any] = frames._queue  # type: ignore[attr-defined]
-        self._getters: collections.deque[Any] = frames._getters  # type: ignore[attr-defined]
+        self._items, self._getters = deques
         self.hand = hand
         self.mid_content = False
 
@@ -86,15 +91,12 @@ class DirectChannel:
     def of(cls, frames: asyncio.Queue[Any], hand: Hand) -> DirectChannel | None:
         """A registration for a channel with the frame queue ``frames`` (None: the
         queue lacks the private deques this relies on)."""
-        queue = getattr(frames, "_queue", None)
-        getters = getattr(frames, "_getters", None)
-        if not isinstance(queue, collections.deque) or not isinstance(getters, collections.deque):
-            return None
-        return cls(frames, hand)
+        deques = hooks.queue_deques(frames)
+        return None if deques is None else cls(frames, deques, hand)
 
     def idle(self) -> bool:
         """Nothing queued for the channel, and its reader waits for a frame."""
-        return not self._queue and bool(self._getters) and not self.mid_content
+        return not self._items and bool(self._getters) and not self.mid_content
 
     async def take(
         self,
@@ -153,17 +155,12 @@ class DirectChannels:
     def of(cls, connection: Any) -> DirectChannels | None:
         """The registry of ``connection`` (made on the first call; None: it lacks
         aiormq's last-frame time this relies on)."""
-        if not isinstance(getattr(connection, _LAST_FRAME_TIME, None), float):
+        stamp = hooks.frame_clock(connection)
+        if stamp is None:
             return None
         found = _of.get(connection)
-        if found is not None:
-            return found
-        loop = asyncio.get_running_loop()
-
-        def stamp() -> None:
-            setattr(connection, _LAST_FRAME_TIME, loop.time())
-
-        found = _of[connection] = cls(stamp)
+        if found is None:
+            found = _of[connection] = cls(stamp)
         return found
 
     @staticmethod
@@ -196,10 +193,10 @@ def buffered(
     one step instead of two awaited calls. A reader without asyncio's buffer
     (another implementation) gets a function that always returns None.
     """
-    buffer = getattr(reader, "_buffer", None)
-    resume = getattr(reader, "_maybe_resume_transport", None)
-    if not isinstance(buffer, bytearray) or not callable(resume):
+    found = hooks.stream_buffer(reader)
+    if found is None:
         return lambda: None
+    buffer, resume = found
     unpack = _FRAME_HEADER.unpack_from
 
     def read_now() -> Received | None:
@@ -236,10 +233,10 @@ def whole_deliveries(
     it returns False and takes nothing: the frames go through `buffered` and
     `DirectChannel.take` (or aiormq's loop) one by one.
     """
-    buffer = getattr(reader, "_buffer", None)
-    resume = getattr(reader, "_maybe_resume_transport", None)
-    if not isinstance(buffer, bytearray) or not callable(resume):
+    found = hooks.stream_buffer(reader)
+    if found is None:
         return lambda: False
+    buffer, resume = found
     method_start, frame_header, body_size_of = (
         _METHOD_START.unpack_from,
         _FRAME_HEADER.unpack_from,

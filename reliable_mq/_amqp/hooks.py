@@ -30,6 +30,7 @@ import asyncio
 import inspect
 import struct
 import types
+from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from importlib import metadata
@@ -55,12 +56,15 @@ __all__ = (
     "channel_frames",
     "check_channel",
     "find_receiver",
+    "frame_clock",
     "install_confirm_handlers",
     "install_deliver_handler",
     "install_frame_decoder",
     "new_frame",
     "plain_lacks",
+    "queue_deques",
     "resolve",
+    "stream_buffer",
     "verify",
     "write_frames",
 )
@@ -546,6 +550,38 @@ def channel_frames(channel: aiormq.Channel) -> tuple[asyncio.Queue[Any], Callabl
 
 def install_deliver_handler(channel: aiormq.Channel, handler: Callable[[Any], Any]) -> None:
     channel._on_deliver_frame = handler  # type: ignore[method-assign,assignment]
+
+
+def queue_deques(queue: asyncio.Queue[Any]) -> tuple[deque[Any], deque[Any]] | None:
+    """An asyncio queue's items and waiting getters (None: another shape), for the
+    direct path's idle check (`reliable_mq._amqp.direct.DirectChannel.idle`)."""
+    items, getters = getattr(queue, "_queue", None), getattr(queue, "_getters", None)
+    if isinstance(items, deque) and isinstance(getters, deque):
+        return items, getters
+    return None
+
+
+def stream_buffer(reader: Any) -> tuple[bytearray, Callable[[], None]] | None:
+    """A ``StreamReader``'s buffer and its method resuming a transport paused for a
+    full buffer (None: another shape), for frames taken out of the buffer at once."""
+    buffer, resume = getattr(reader, "_buffer", None), getattr(reader, "_maybe_resume_transport", None)
+    if isinstance(buffer, bytearray) and callable(resume):
+        return buffer, resume
+    return None
+
+
+def frame_clock(connection: Any) -> Callable[[], None] | None:
+    """Notes that a frame arrived, as aiormq's reader does for each (its heartbeat ends
+    a connection that received none for too long); None: aiormq keeps no such time."""
+    name = "_Connection__last_frame_time"
+    if not isinstance(getattr(connection, name, None), float):
+        return None
+    loop = asyncio.get_running_loop()
+
+    def stamp() -> None:
+        setattr(connection, name, loop.time())
+
+    return stamp
 
 
 def install_confirm_handlers(
