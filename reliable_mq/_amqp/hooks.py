@@ -564,7 +564,10 @@ def queue_deques(queue: asyncio.Queue[Any]) -> tuple[deque[Any], deque[Any]] | N
 def stream_buffer(reader: Any) -> tuple[bytearray, Callable[[], None]] | None:
     """A ``StreamReader``'s buffer and its method resuming a transport paused for a
     full buffer (None: another shape), for frames taken out of the buffer at once."""
-    buffer, resume = getattr(reader, "_buffer", None), getattr(reader, "_maybe_resume_transport", None)
+    buffer, resume = (
+        getattr(reader, "_buffer", None),
+        getattr(reader, "_maybe_resume_transport", None),
+    )
     if isinstance(buffer, bytearray) and callable(resume):
         return buffer, resume
     return None

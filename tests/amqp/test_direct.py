@@ -152,7 +152,9 @@ class TestTake:
             return (30, 1, _header(0))
 
         deliver = _deliver(1)
-        returned = await channel.taker.take((20, 1, deliver), _nothing, read_and_stop, channel.stamp)
+        returned = await channel.taker.take(
+            (20, 1, deliver), _nothing, read_and_stop, channel.stamp
+        )
         assert returned is not None and isinstance(returned[2], ContentHeader)
         assert channel.handed == [] and channel.queued() == [deliver]
 
@@ -291,7 +293,9 @@ class TestWholeDeliveries:
         assert header.properties.content_type == "text/plain"
 
     @pytest.mark.parametrize("cut", [5, 11, 40, 60, -1])
-    async def test_a_partial_delivery_stays_in_the_buffer(self, channel: _Channel, cut: int) -> None:
+    async def test_a_partial_delivery_stays_in_the_buffer(
+        self, channel: _Channel, cut: int
+    ) -> None:
         """Not all there: nothing handed over, nothing taken."""
         data = _wire(b"abc")
         taken, reader = await self._take(channel, data[:cut])
@@ -311,7 +315,7 @@ class TestWholeDeliveries:
         data = pamqp.frame.marshal(Basic.Deliver("ctag", 5, False, "ex", "q"), 1)
         data += pamqp.frame.marshal(ContentHeader(0, 6, props), 1)
         data += pamqp.frame.marshal(ContentBody(b"abc"), 1)
-        taken, reader = await self._take(channel, data)
+        taken, _ = await self._take(channel, data)
         assert not taken and channel.handed == []
 
     async def test_a_routing_key_not_utf8_goes_frame_by_frame(self, channel: _Channel) -> None:
