@@ -18,6 +18,7 @@ Type names are case-insensitive, with Spark's synonyms (``INT``/``INTEGER``,
 
 from __future__ import annotations
 
+import json
 import re
 
 from pyspark.sql.types import (
@@ -98,12 +99,10 @@ def parse_schema(text: str) -> StructType:
         ValueError: the text does not parse, or names a type without a JSON reading.
     """
     if text.lstrip().startswith("{"):
-        from pyspark.sql.types import _parse_datatype_json_string  # noqa: PLC0415
-
-        parsed = _parse_datatype_json_string(text)
-        if not isinstance(parsed, StructType):
-            raise ValueError(f"a {parsed.simpleString()}, not a struct")
-        return parsed
+        try:
+            return StructType.fromJson(json.loads(text))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a struct's JSON ({exc!r})") from None
     tokens = _Tokens(text)
     if not tokens.peek():
         raise ValueError("an empty schema")
