@@ -173,6 +173,20 @@ class RowFormat:
                 _OPTIONS,
                 [("schema", f"expected {expected.simpleString()}, not {given.simpleString()}")],
             )
+        for name in ("value", self.corrupt_column):
+            if self.body is BodyFormat.JSON and name in given.fieldNames():
+                column = given[name]
+                if not column.nullable or column.dataType != _nullable(column.dataType):
+                    raise InvalidSettings(
+                        _OPTIONS,
+                        [
+                            (
+                                "schema",
+                                f"column {name!r} and its fields must be nullable: a body "
+                                "may be malformed or lack a field",
+                            )
+                        ],
+                    )
 
     def row(self, record: StreamRecord) -> tuple[Any, ...]:
         """The row of one record, in `schema`'s order.

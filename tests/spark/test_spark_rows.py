@@ -102,3 +102,12 @@ class TestRows:
         given = StructType([StructField("value", StringType())])
         with pytest.raises(InvalidSettings, match="must be a struct"):
             RowFormat.from_options({"bodyformat": "json"}, given)
+
+    def test_a_given_value_that_cannot_hold_null_is_refused(self) -> None:
+        """A body may lack a field, so ``.schema(...)`` cannot make one non-nullable."""
+        fields = [*RowFormat().schema().fields]
+        strict = StructType([StructField("id", IntegerType(), False)])
+        fields[2] = StructField("value", strict, True)
+        fields.append(StructField("_corrupt_body", StringType(), True))
+        with pytest.raises(InvalidSettings, match="must be nullable"):
+            RowFormat.from_options({"bodyformat": "json"}, StructType(fields))
