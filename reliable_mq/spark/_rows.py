@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from ..errors import InvalidSettings
 from ..streams import StreamRecord
 from ._ddl import parse_schema
 from ._errors import MalformedBody
-from ._json_types import Mismatch, converter
+from ._json_types import Convert, Mismatch, converter
 
 __all__ = (
     "BODY_OPTIONS",
@@ -223,11 +224,17 @@ class RowFormat:
             return (*head, value, *tail, None)
         return (*head, value, *tail)
 
-    def _parse(self, body: bytes) -> Any:
+    @functools.cached_property
+    def _convert(self) -> Convert:
+        """The body schema's converter, built once per task (never pickled)."""
         assert self.body_schema is not None
-        convert = _converters.get(self.body_schema)
-        if convert is None:
-            convert = _converters[self.body_schema] = converter(self.body_schema)
+        return converter(self.body_schema)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_convert"}
+
+    def _parse(self, body: bytes) -> Any:
+        convert = self._convert
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -241,10 +248,6 @@ class RowFormat:
         if not isinstance(parsed, dict):
             raise Mismatch(f"a JSON {type(parsed).__name__}, not an object")
         return convert(parsed)
-
-
-_converters: dict[StructType, Any] = {}
-"""Converters by body schema, built once per Python worker."""
 
 
 def _body_schema(ddl: str | None, given: StructType | None, corrupt: str) -> StructType:
