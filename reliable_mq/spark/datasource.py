@@ -57,7 +57,8 @@ from ._driver import check_destination, raise_for_stats
 from ._errors import NullKey
 from ._partition import PartitionStats, current_task, publish_partition
 from ._plan import PublishPlan, arrow_rows, plan_publish
-from ._source import READ_SCHEMA, RabbitMQStreamRangeReader, ReadSpec
+from ._rows import RowFormat
+from ._source import RabbitMQStreamRangeReader, ReadSpec
 from ._spec import IdScheme, PublishSpec, check_destination_option
 
 __all__ = (
@@ -99,8 +100,14 @@ class RabbitMQDataSource(DataSource):
         return "rabbitmq"
 
     def schema(self) -> StructType:
-        """The rows of a stream read (``spark.read``): see `READ_SCHEMA`."""
-        return READ_SCHEMA
+        """The rows of a stream read (``spark.read``) when no ``.schema(...)`` is given:
+        `READ_SCHEMA`, or with ``bodyFormat`` ``json`` the body as a struct (`RowFormat`).
+
+        Raises:
+            InvalidSettings: a body option that does not parse.
+        """
+        given = {str(k).lower(): str(v) for k, v in self.options.items()}
+        return RowFormat.from_options(given).schema()
 
     def reader(self, schema: StructType) -> RabbitMQStreamRangeReader:
         """``spark.read.format("rabbitmq")``: a stream between two offsets (`ReadSpec` options).
@@ -110,7 +117,7 @@ class RabbitMQDataSource(DataSource):
             NotAStream: the name is a classic or quorum queue, or nothing.
             StreamDataLoss: retention removed the start (``failOnDataLoss`` true).
         """
-        return RabbitMQStreamRangeReader(ReadSpec.from_options(dict(self.options)))
+        return RabbitMQStreamRangeReader(ReadSpec.from_options(dict(self.options), schema))
 
     def writer(self, schema: StructType, overwrite: bool) -> RabbitMQWriter:
         return RabbitMQWriter(self._plan(schema, overwrite))
