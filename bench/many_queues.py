@@ -37,7 +37,6 @@ import cProfile
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -53,6 +52,7 @@ from prometheus_client import CollectorRegistry
 import reliable_mq
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.topology import QueueTopology, delete_topology
+
 
 @dataclass
 class Sample:

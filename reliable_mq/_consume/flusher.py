@@ -27,12 +27,29 @@ queue).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .frames import Frames
+from .._amqp import ConsumeChannel
+from .acks import AckTracker
 
-__all__ = ("AckFlusher",)
+__all__ = ("AckFlusher", "Frames")
+
+
+class Frames(Protocol):
+    """What the flusher needs of a channel's `reliable_mq._consume.frames.Frames`."""
+
+    channel: ConsumeChannel
+    tracker: AckTracker
+    lock: asyncio.Lock
+
+    def dead(self) -> bool: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+
+    async def flush(self, *, stragglers: bool, wait: bool = False) -> None: ...
+
+    def take_acks(self, *, stragglers: bool) -> bytes: ...
 
 
 class AckFlusher:
