@@ -15,8 +15,10 @@ interleaved round after round) the table shows medians of:
 * ack frames per delivery (the consumer's ``ack_frames`` over the deliveries);
 * start-up: seconds for ``consumer.start()`` (connect, declare K topologies,
   open K channels, consume), and per queue;
-* RSS per queue: this process's resident memory after start-up less before the
-  consumer was made, over K (noisy for small K);
+* RSS per queue: the measuring process's resident memory after start-up less
+  before the consumer was made, over K (each measurement runs in a fresh
+  process; for K = 1 it includes what the first connection imports and
+  allocates);
 * idle CPU: this process's CPU over ``--idle`` seconds after the drain, with
   every queue empty, in percent of one core.
 
@@ -201,6 +203,24 @@ async def delete_queues(queues: list[str]) -> None:
         await connection.close()
 
 
+async def measure_in_child(k: int, args: argparse.Namespace) -> Sample:
+    """`measure` in a fresh process, so that its RSS starts clean (memory a
+    previous measurement freed would be reused and hide the growth)."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        *("--child", str(k), "--messages", str(args.messages)),
+        *("--prefetch", str(args.prefetch), "--size", str(args.size)),
+        *("--idle", str(args.idle), "--timeout", str(args.timeout)),
+        *(["--profile", args.profile] if args.profile else []),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await child.communicate()
+    if child.returncode:
+        raise RuntimeError(f"the measurement of K={k} exited {child.returncode}")
+    return Sample(**json.loads(out.decode().strip().splitlines()[-1]))
+
+
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -213,7 +233,7 @@ async def main(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()
     for round_no in range(args.rounds):
         for k in args.queues:
-            sample = await measure(k, args)
+            sample = await measure_in_child(k, args)
             samples[k].append(sample)
             print(
                 f"round {round_no + 1}: K={k:<4} {sample.rate:>9,.0f} msgs/s "
@@ -297,10 +317,14 @@ def cli() -> None:
         "--profile", help="cProfile each drain (start to last delivery) into PROFILE.K<k>"
     )
     parser.add_argument("--publish", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("names", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.publish:
         publish(args.names, args.messages, args.size)
+    elif args.child:
+        sample = asyncio.run(measure(args.child, args))
+        print(json.dumps(sample.__dict__), flush=True)
     else:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(main(args))
