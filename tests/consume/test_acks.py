@@ -396,7 +396,7 @@ class TestOneFlusherForManyChannels:
         assert link.writes == []
         while any(channel.broker.outstanding for channel in channels):
             await asyncio.sleep(0.005)
-            assert loop.time() - started < 0.05 + 0.1
+            assert loop.time() - started < 0.5  # the interval, and slack for a loaded machine
         assert link.writes == [200]
         assert all(session.metrics.ack_frames == 1 for session in sessions)
 
