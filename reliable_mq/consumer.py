@@ -582,6 +582,7 @@ class ReliableConsumer(Router):
         for route in self._routes.values():
             if route.session is not None:
                 route.session.end()
+        self._shared.acks.close()
         for route in self._routes.values():
             if route.dedup is not None:
                 await route.dedup.drain(5.0)
