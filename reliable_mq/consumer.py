@@ -333,18 +333,7 @@ class ReliableConsumer(Router):
         self._shared.idle.set()
         if self._stop_requested is None:  # run() makes it first
             self._stop_requested = asyncio.Event()
-        if self.settings.prefetch == 0:
-            self._log.warning("unlimited_prefetch", hint="memory use is unbounded")
-        lease = self.settings.effective_dedup_lease
-        timeout = self.settings.handler_timeout
-        if timeout is not None and lease <= timeout and self._uses_dedup():
-            self._log.warning(
-                "dedup_lease_shorter_than_handler_timeout",
-                dedup_lease=lease,
-                handler_timeout=timeout,
-                hint="a slow handler's message may run twice at once",
-            )
-        self._check_consumer_timeout()
+        lease = self._check_settings()
         for spec in self.handlers:
             store = self.dedup_store(spec.queue)
             metrics = self._metrics.for_queue(spec.queue, owner=self)
@@ -394,6 +383,22 @@ class ReliableConsumer(Router):
             self._housekeeping(), name="reliable_mq:housekeeping"
         )
         self._log.info("consumer_started", queues=list(self._routes))
+
+    def _check_settings(self) -> float:
+        """Warn about settings that risk memory or double runs; the dedup lease."""
+        if self.settings.prefetch == 0:
+            self._log.warning("unlimited_prefetch", hint="memory use is unbounded")
+        lease = self.settings.effective_dedup_lease
+        timeout = self.settings.handler_timeout
+        if timeout is not None and lease <= timeout and self._uses_dedup():
+            self._log.warning(
+                "dedup_lease_shorter_than_handler_timeout",
+                dedup_lease=lease,
+                handler_timeout=timeout,
+                hint="a slow handler's message may run twice at once",
+            )
+        self._check_consumer_timeout()
+        return lease
 
     def _check_consumer_timeout(self) -> None:
         """Warn when handlers may outlive the broker's ``consumer_timeout``."""
