@@ -199,6 +199,20 @@ class TestRead:
             assert await reader.resolve(past) == 0
             assert await reader.resolve(future) == 50
 
+    async def test_a_slow_first_delivery_is_not_taken_for_an_empty_stream(
+        self, broker_url: str, make_stream: MakeStream
+    ) -> None:
+        """A broker slower than ``first_wait`` (here 1 ms, so the first delivery is
+        always late) must not make the head the tail: a read from ``earliest`` would
+        skip the stream. The head is the first offset held, or 0 when nothing answers,
+        never past it. (A CI run under load saw the head answer the tail.)"""
+        name = await make_stream()
+        await publish(broker_url, name, 50)
+        async with StreamReader(broker_url, name, first_wait=0.001) as reader:
+            heads = {await reader.head() for _ in range(10)}
+            starts = {await reader.resolve(StartingPoint.EARLIEST) for _ in range(5)}
+        assert heads == {0} and starts == {0}
+
     async def test_a_range_past_the_tail_fails_instead_of_waiting_for_ever(
         self, broker_url: str, make_stream: MakeStream
     ) -> None:
