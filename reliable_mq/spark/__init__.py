@@ -39,7 +39,7 @@ The package's modules, one job each: ``_spec`` (the spec and its enums),
 ``_encode`` (schema-directed encoders), ``_plan`` (spec x schema, the row
 encoder, ids), ``_partition`` (the executor side), ``_driver`` (checks, the
 job, the report), ``_stream`` (micro-batches and stopping), ``_source`` (batch reads of a
-stream), ``datasource`` (the ``rabbitmq`` format).
+stream), ``_stream_source`` (streaming reads), ``datasource`` (the ``rabbitmq`` format).
 """
 
 from __future__ import annotations

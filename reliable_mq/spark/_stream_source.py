@@ -245,7 +245,9 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: Offsets | None = None, limit: ReadLimit | None = None) -> Offsets:
         """The end of the next micro-batch: the tails, within ``limit``.
 
-        ``start`` is the previous end (from the checkpoint after a restart);
+        ``start`` is the previous end (from the checkpoint after a restart). A
+        stream missing from it (added to the option) starts at
+        ``startingOffsets``: its end is that point, so the batch after reads it.
         PySpark 4.1 passes neither argument: then the ends are the tails.
 
         Raises:
@@ -253,7 +255,9 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 ``failOnDataLoss`` is true. With it false, the gap is logged
                 (``stream_data_loss``) and the batch goes on from the head.
         """
-        begin = dict(self._known if start is None else start)
+        if start is None:
+            return self._tails()
+        begin = dict(start)
         missing = tuple(s for s in self.spec.streams if s not in begin)
         if missing:  # a stream added to the option: it starts at startingOffsets
             begin.update(run_sync(lambda: _starting(self.spec, missing)))
@@ -270,9 +274,16 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 until = min(until, self._target.get(name, until))
             available[name] = max(0, until - firsts[name])
         taken = share(available, budget)
-        end = {name: max(begin[name], firsts[name] + taken[name]) for name in positions}
-        for name, offset in end.items():
-            self._known[name] = max(self._known.get(name, 0), offset)
+        return {name: max(begin[name], firsts[name] + taken[name]) for name in positions}
+
+    def _tails(self) -> Offsets:
+        """PySpark 4.1's ``latestOffset()``: the tails, never before an end handed out.
+
+        Retention is then only checked by the tasks (`StreamReader.read`).
+        """
+        positions = run_sync(lambda: _positions(self.spec, {}))
+        end = {name: max(p.tail, self._known.get(name, 0)) for name, p in positions.items()}
+        self._known.update(end)
         return end
 
     def _first(self, stream: str, start: int, position: _Position) -> int:

@@ -31,7 +31,7 @@ from reliable_mq import Message, ReliablePublisher
 from reliable_mq.errors import InvalidSettings
 from reliable_mq.spark import READ_SCHEMA, _stream_source, register_data_source
 from reliable_mq.spark._stream_source import RabbitMQStreamSource, StreamSourceSpec, share
-from reliable_mq.streams import StreamReader, declare_stream
+from reliable_mq.streams import OffsetRange, StreamReader, declare_stream
 from tests.support.amqp import run_sync
 
 pytestmark = [pytest.mark.spark, pytest.mark.rabbitmq, pytest.mark.timeout(300)]
@@ -257,6 +257,36 @@ class TestRetention:
         assert min(row[1] for row in rows if int(row[2][2:]) >= 20) >= head
 
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "spark.md"
+
+
+def docs_snippet() -> str:
+    """The first python block of docs/spark.md's "Streaming reads"."""
+    section = DOCS.read_text().split("\n## Streaming reads\n", 1)[1]
+    return section.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+class TestDocs:
+    def test_the_streaming_reads_snippet_runs(
+        self,
+        spark: SparkSession,
+        broker_url: str,
+        make_stream: MakeStream,
+        tmp_path: Path,
+    ) -> None:
+        """docs/spark.md's snippet, on a fresh stream and folder, reads every message once."""
+        stream = make_stream()
+        publish(broker_url, stream, 0, 30)
+        source = docs_snippet()
+        assert source.count('.option("stream", "events")') == 1
+        source = source.replace('.option("stream", "events")', f'.option("stream", "{stream}")')
+        source = source.replace("amqp://guest:guest@127.0.0.1:5672/", broker_url)
+        source = source.replace('"out/', f'"{tmp_path}/out/')  # the JVM has its own cwd
+        exec(compile(source, str(DOCS), "exec"), {})  # the docs' own code
+        rows = spark.read.parquet(str(tmp_path / "out" / "events")).collect()
+        exactly_once([(r.stream, r.offset, r.message_id) for r in rows], stream, range(30))
+
+
 class TestOptions:
     def test_limits_are_shared_in_proportion(self) -> None:
         """share(): all when under budget; in proportion, rounding down, rest in order."""
@@ -286,19 +316,26 @@ class TestOptions:
         with pytest.raises(InvalidSettings, match=r"needs PySpark >= 4\.2"):
             StreamSourceSpec.from_options({"url": url, "stream": "a", "maxRecordsPerTrigger": "9"})
 
-    def test_the_read_limit_and_a_stale_tail(
-        self, broker_url: str, make_stream: MakeStream
-    ) -> None:
+    def test_the_driver_side_in_process(self, broker_url: str, make_stream: MakeStream) -> None:
         """The default read limit comes from maxRecordsPerTrigger; an end never goes back
-        before the start, even when a start is past the tail the broker reports."""
-        stream = make_stream()
-        publish(broker_url, stream, 0, 10)
-        spec = StreamSourceSpec.from_options(
-            {"url": broker_url, "stream": stream, "maxRecordsPerTrigger": "4"}
-        )
-        source = RabbitMQStreamSource(spec)
+        before the start (a start past the tail the broker reports); a stream added to the
+        option starts at startingOffsets; PySpark 4.1's latestOffset() gives the tails."""
+        a, b = make_stream(), make_stream()
+        publish(broker_url, a, 0, 10)
+        publish(broker_url, b, 0, 3)
+        options = {"url": broker_url, "maxRecordsPerTrigger": "4"}
+        source = RabbitMQStreamSource(StreamSourceSpec.from_options({**options, "stream": a}))
         assert source.getDefaultReadLimit() == ReadMaxRows(4)
-        assert source.initialOffset() == {stream: 0}
-        assert source.latestOffset({stream: 0}, ReadMaxRows(4)) == {stream: 4}
-        assert source.latestOffset({stream: 8}, ReadAllAvailable()) == {stream: 10}
-        assert source.latestOffset({stream: 12}, ReadAllAvailable()) == {stream: 12}
+        assert source.initialOffset() == {a: 0}
+        assert source.latestOffset({a: 0}, ReadMaxRows(4)) == {a: 4}
+        assert source.latestOffset({a: 8}, ReadAllAvailable()) == {a: 10}
+        assert source.latestOffset({a: 12}, ReadAllAvailable()) == {a: 12}
+        assert source.latestOffset() == {a: 10}
+        assert len(source.partitions({a: 0}, {a: 12})) == 1
+        assert source.latestOffset() == {a: 12}  # never before an end Spark planned
+
+        both = StreamSourceSpec.from_options({**options, "stream": f"{a},{b}"})
+        added = RabbitMQStreamSource(both).latestOffset({a: 2}, ReadMaxRows(100))
+        assert added == {a: 10, b: 0}
+        ranges = RabbitMQStreamSource(both).partitions({a: 2}, added)
+        assert [p.offsets for p in ranges] == [OffsetRange(a, 2, 10)]
