@@ -10,7 +10,8 @@ The steps, all against the real broker on ``local[2]``:
    planned (its offsets written, its files being written), SIGKILL the driver's
    whole process group (Python and JVM);
 4. start the driver again on the same checkpoint: it replays the planned batch
-   and reads on to the end;
+   and reads on to the end (with ``--fail-offset N --master "local[2,3]"``, the
+   first attempt of the task that reads offset N fails, and Spark retries it);
 5. read the sink back (Spark's file sink lists only committed files): every
    id once, none missing. Then, for the same stream, the rows per second of a
    plain pika consumer draining it (``x-stream-offset: first``, prefetch 1000,
@@ -41,8 +42,10 @@ from typing import Any
 import aio_pika
 import pika
 from prometheus_client import CollectorRegistry
+from pyspark import TaskContext
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import LongType
 
 from reliable_mq import Message, ReliablePublisher
 from reliable_mq.spark import register_data_source
@@ -80,6 +83,22 @@ def _delete(url: str, stream: str) -> None:
     asyncio.run(delete())
 
 
+def _fail_once(offset: int, folder: Path) -> Any:
+    """A UDF that fails the first attempt of the task that reads ``offset`` (a file
+    ``injected-*`` in ``folder`` records each failure); Spark retries the task, which
+    reads its range again (``local[N,M]``: M attempts)."""
+
+    def check(value: int) -> int:
+        context = TaskContext.get()
+        if value == offset and context is not None and context.attemptNumber() == 0:
+            marker = folder / f"injected-{context.stageId()}-{context.partitionId()}"
+            marker.touch()
+            raise RuntimeError(f"injected task failure at offset {offset}")
+        return value
+
+    return F.udf(check, LongType())
+
+
 def driver(args: argparse.Namespace) -> None:
     """One driver run: the query until AvailableNow ends; with --verify, the sink's figures."""
     spark = (
@@ -94,7 +113,7 @@ def driver(args: argparse.Namespace) -> None:
     register_data_source(spark)
     folder = Path(args.folder)
     started = time.monotonic()
-    query = (
+    frame = (
         spark.readStream.format("rabbitmq")
         .option("url", args.url)
         .option("stream", args.stream)
@@ -102,7 +121,11 @@ def driver(args: argparse.Namespace) -> None:
         .option("numPartitions", "2")
         .load()
         .select("stream", "offset", "message_id")
-        .writeStream.format("parquet")
+    )
+    if args.fail_offset is not None:
+        frame = frame.withColumn("offset", _fail_once(args.fail_offset, folder)("offset"))
+    query = (
+        frame.writeStream.format("parquet")
         .option("path", str(folder / "out"))
         .option("checkpointLocation", str(folder / "cp"))
         .trigger(availableNow=True)
@@ -153,6 +176,8 @@ def _start_driver(args: argparse.Namespace, folder: Path, *, verify: bool) -> su
     ]
     if verify:
         command.append("--verify")
+    if args.fail_offset is not None:
+        command += ["--fail-offset", str(args.fail_offset)]
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
@@ -228,6 +253,7 @@ def prove(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         if restart.returncode != 0:
             raise SystemExit(f"the restarted driver failed ({restart.returncode})")
         figures = json.loads(out.strip().splitlines()[-1])
+        report["task_failures_injected"] = len(list(folder.glob("injected-*")))
         report.update(figures)
         # the restarted run: from start() to its end (JVM warm-up of the query included),
         # and over its micro-batches only (the steady state)
@@ -240,6 +266,7 @@ def prove(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             and report["duplicates"] == 0
             and figures["foreign"] == 0
             and (figures["min"], figures["max"]) == (0, args.messages - 1)
+            and (args.fail_offset is None or report["task_failures_injected"] >= 1)
         )
         if args.pika:
             pika_s = _pika_drain(args.url, args.stream, args.messages)
@@ -257,6 +284,11 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=2, help="batches committed first")
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--folder", help="sink and checkpoint (default: a temporary folder)")
+    parser.add_argument(
+        "--fail-offset",
+        type=int,
+        help="fail the first attempt of the task reading this offset (use local[N,M], M > 1)",
+    )
     parser.add_argument("--no-pika", dest="pika", action="store_false")
     parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)

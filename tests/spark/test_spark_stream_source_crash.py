@@ -27,12 +27,13 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_driver_killed_mid_batch_then_restarted_reads_every_message_once(
+def test_a_killed_driver_and_a_failed_task_still_read_every_message_once(
     broker_url: str, tmp_path: Path
 ) -> None:
     """The first driver is killed (its whole process group) once a batch is committed and
-    the next one planned; the restarted one replays that batch and reads on: the file
-    sink then holds each of the 20,000 ids once, none missing."""
+    the next one planned; the restarted one replays that batch and reads on, and the
+    first attempt of the task reading offset 15,000 fails (local[2,3] retries it): the
+    file sink then holds each of the 20,000 ids once, none missing."""
     command = [
         sys.executable,
         str(ROOT / "bench" / "stream_source_crash.py"),
@@ -44,6 +45,10 @@ def test_a_driver_killed_mid_batch_then_restarted_reads_every_message_once(
         "5000",
         "--kill-after",
         "1",
+        "--master",
+        "local[2,3]",
+        "--fail-offset",
+        "15000",
         "--folder",
         str(tmp_path),
         "--no-pika",
@@ -56,6 +61,7 @@ def test_a_driver_killed_mid_batch_then_restarted_reads_every_message_once(
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["planned_at_kill"] > report["committed_at_kill"] >= 1, report
     assert report["rows_read"] < 20_000, "the restart read everything again"
+    assert report["task_failures_injected"] >= 1, "no task failed: nothing was retried"
     assert (report["missing"], report["duplicates"], report["foreign"]) == (0, 0, 0), report
     assert (report["min"], report["max"]) == (0, 19_999)
     assert report["ok"] and done.returncode == 0
