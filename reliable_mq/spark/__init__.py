@@ -85,6 +85,7 @@ from ._plan import (
 from ._source import READ_SCHEMA, ReadSpec
 from ._spec import IdScheme, NonFinite, PublishSpec
 from ._stream import BatchSink, foreach_batch_sink, stop_after_current_batch
+from ._stream_source import StreamSourceSpec
 from .datasource import RabbitMQDataSource, register_data_source
 
 __all__ = (
@@ -105,6 +106,7 @@ __all__ = (
     "READ_SCHEMA",
     "RabbitMQDataSource",
     "ReadSpec",
+    "StreamSourceSpec",
     "StreamStopping",
     "TaskInfo",
     "UnsupportedSchema",
