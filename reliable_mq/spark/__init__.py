@@ -40,7 +40,8 @@ The package's modules, one job each: ``_spec`` (the spec and its enums),
 encoder, ids), ``_partition`` (the executor side), ``_driver`` (checks, the
 job, the report), ``_stream`` (micro-batches and stopping), ``_source`` (batch reads of a
 stream), ``_rows`` (a read's schema and rows: the body binary or JSON, with
-``_ddl`` and ``_json_types``), ``datasource`` (the ``rabbitmq`` format).
+``_ddl`` and ``_json_types``), ``_stream_source`` (streaming reads),
+``datasource`` (the ``rabbitmq`` format).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ from ._rows import READ_SCHEMA, BadRows, BodyFormat, RowFormat
 from ._source import ReadSpec
 from ._spec import IdScheme, NonFinite, PublishSpec
 from ._stream import BatchSink, foreach_batch_sink, stop_after_current_batch
+from ._stream_source import StreamSourceSpec
 from .datasource import RabbitMQDataSource, register_data_source
 
 __all__ = (
@@ -112,6 +114,7 @@ __all__ = (
     "RabbitMQDataSource",
     "ReadSpec",
     "RowFormat",
+    "StreamSourceSpec",
     "StreamStopping",
     "TaskInfo",
     "UnsupportedSchema",
