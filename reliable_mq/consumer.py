@@ -331,19 +331,9 @@ class ReliableConsumer(Router):
         self._started = True
         self._shared.idle = asyncio.Event()
         self._shared.idle.set()
-        self._stop_requested = asyncio.Event()
-        if self.settings.prefetch == 0:
-            self._log.warning("unlimited_prefetch", hint="memory use is unbounded")
-        lease = self.settings.effective_dedup_lease
-        timeout = self.settings.handler_timeout
-        if timeout is not None and lease <= timeout and self._uses_dedup():
-            self._log.warning(
-                "dedup_lease_shorter_than_handler_timeout",
-                dedup_lease=lease,
-                handler_timeout=timeout,
-                hint="a slow handler's message may run twice at once",
-            )
-        self._check_consumer_timeout()
+        if self._stop_requested is None:  # run() makes it first
+            self._stop_requested = asyncio.Event()
+        lease = self._check_settings()
         for spec in self.handlers:
             store = self.dedup_store(spec.queue)
             metrics = self._metrics.for_queue(spec.queue, owner=self)
@@ -394,6 +384,22 @@ class ReliableConsumer(Router):
         )
         self._log.info("consumer_started", queues=list(self._routes))
 
+    def _check_settings(self) -> float:
+        """Warn about settings that risk memory or double runs; the dedup lease."""
+        if self.settings.prefetch == 0:
+            self._log.warning("unlimited_prefetch", hint="memory use is unbounded")
+        lease = self.settings.effective_dedup_lease
+        timeout = self.settings.handler_timeout
+        if timeout is not None and lease <= timeout and self._uses_dedup():
+            self._log.warning(
+                "dedup_lease_shorter_than_handler_timeout",
+                dedup_lease=lease,
+                handler_timeout=timeout,
+                hint="a slow handler's message may run twice at once",
+            )
+        self._check_consumer_timeout()
+        return lease
+
     def _check_consumer_timeout(self) -> None:
         """Warn when handlers may outlive the broker's ``consumer_timeout``."""
         handler_timeout = self.settings.handler_timeout
@@ -440,19 +446,44 @@ class ReliableConsumer(Router):
             KeyboardInterrupt: a handler raised it.
         """
         self._in_run = True
+        if self._stop_requested is None:
+            self._stop_requested = asyncio.Event()
+        # Installed before start(): a signal while it connects or declares stops it.
+        restore = self._install_signal_handlers()
         try:
-            await self.start()
-            assert self._stop_requested is not None
-            restore = self._install_signal_handlers()
-            try:
-                await self._stop_requested.wait()
-            finally:
-                restore()
-                await self.stop()
+            if await self._start_unless_stopped(self._stop_requested):
+                try:
+                    await self._stop_requested.wait()
+                finally:
+                    restore()
+                    await self.stop()
         finally:
+            restore()
             self._in_run = False
         if self._shared.exit_error is not None:
             raise self._shared.exit_error
+
+    async def _start_unless_stopped(self, stop: asyncio.Event) -> bool:
+        """`start`, abandoned if a stop is asked for (a signal) before it ends.
+
+        Returns:
+            Whether the consumer started; False: the stop came first, and the
+            start was cancelled (it closes what it had opened).
+        """
+        starting = asyncio.ensure_future(self.start())
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not starting.done():
+                starting.cancel()
+                await asyncio.wait((starting,))
+        if starting.cancelled() and stop.is_set():
+            self._log.info("consumer_start_abandoned", hint="stopped while starting")
+            return False
+        starting.result()  # start's error, or a cancel that was not ours
+        return True
 
     def _on_handler_exit(self, error: BaseException) -> None:
         self._log.error(
@@ -511,8 +542,9 @@ class ReliableConsumer(Router):
                 continue  # not the main thread, or no signal support
             installed.append((sig, previous))
 
-        def restore() -> None:
-            for sig, previous in installed:
+        def restore() -> None:  # idempotent
+            while installed:
+                sig, previous = installed.pop()
                 with contextlib.suppress(ValueError, RuntimeError):
                     loop.remove_signal_handler(sig)
                     signal.signal(sig, previous)
@@ -582,6 +614,7 @@ class ReliableConsumer(Router):
         for route in self._routes.values():
             if route.session is not None:
                 route.session.end()
+        self._shared.acks.close()
         for route in self._routes.values():
             if route.dedup is not None:
                 await route.dedup.drain(5.0)

@@ -45,6 +45,7 @@ from ._amqp import (
     UserChannel,
     UserConnection,
     classify,
+    inequivalence,
     is_user_channel,
     user_channel,
     user_connection,
@@ -241,35 +242,8 @@ async def delete_topology(channel: UserChannel, topology: QueueTopology) -> None
 
 # -- bring your own queue --------------------------------------------------------------
 
-_INEQUIVALENT = re.compile(r"inequivalent arg '([^']+)'.*?received (.*?) but current is (.*)$")
-_TYPED_VALUE = re.compile(r"the value '(.*)' of type '(\w+)'$")
-_ABSENT = object()
 _LEARN_ROUNDS = 16
 """Redeclares at most, to learn an adopted queue's arguments (RabbitMQ compares ~15)."""
-
-
-def _current_value(fault: Fault) -> tuple[str, Any] | None:  # noqa: PLR0911 (a parser: one return per kind of value in the 406 text)
-    """The argument a 406 names and the queue's own value (``_ABSENT`` for none)."""
-    match = _INEQUIVALENT.search(fault.reply_text)
-    if match is None:
-        return None
-    argument, _received, current = match.groups()
-    current = current.strip()
-    if current == "none":
-        return argument, _ABSENT
-    typed = _TYPED_VALUE.match(current)
-    if typed is None:  # 'ops', or 'false' for durable
-        text = current.strip("'")
-        return argument, (text == "true") if argument in ("durable", "auto_delete") else text
-    text, kind = typed.groups()
-    if kind == "longstr":
-        return argument, text
-    if kind == "bool":
-        return argument, text == "true"
-    try:
-        return argument, float(text) if kind in ("float", "double", "decimal") else int(text)
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -332,16 +306,15 @@ async def _learn_queue(connection: ChannelOpener, topology: QueueTopology, fault
     """
     learnt = _Learnt(dict(topology.work_queue_arguments()))
     for _ in range(_LEARN_ROUNDS):
-        found = _current_value(fault)
+        found = inequivalence(fault)
         if found is None:
             return learnt
-        argument, value = found
-        if argument in ("durable", "auto_delete"):
-            setattr(learnt, argument, bool(value))
-        elif value is _ABSENT:
-            learnt.arguments.pop(argument, None)
+        if found.argument in ("durable", "auto_delete"):
+            setattr(learnt, found.argument, bool(found.value))
+        elif not found.present:
+            learnt.arguments.pop(found.argument, None)
         else:
-            learnt.arguments[argument] = value
+            learnt.arguments[found.argument] = found.value
         _, refused = await _declare_one(
             connection,
             topology.queue,
@@ -404,11 +377,10 @@ def _missing_safety_net(learnt: _Learnt, fault: Fault, topology: QueueTopology) 
 
 def _first_difference(fault: Fault, topology: QueueTopology) -> str:
     """What the one argument the refusal names does not give (when the rest is unknown)."""
-    match = _INEQUIVALENT.search(fault.reply_text)
-    if match is None:
+    found = inequivalence(fault)
+    if found is None:
         return ""
-    argument, _received, current = match.groups()
-    current = current.strip()
+    argument, current = found.argument, found.text
     dlq = topology.dead_letter_queue
     if argument == "x-dead-letter-exchange" and current == "none":
         return (

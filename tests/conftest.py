@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
 import aio_pika
 import pytest
@@ -23,6 +24,9 @@ from prometheus_client import CollectorRegistry
 
 from reliable_mq.testing import TCPProxy
 from tests.support.amqp import wait_for_amqp_sync
+
+if TYPE_CHECKING:
+    from tests.support.private_node import PrivateBroker
 
 pytest_plugins = ["tests.support.spark"]  # the shared SparkSession (spark, spark_queue)
 
@@ -99,10 +103,23 @@ def proxied_url(proxy: TCPProxy) -> str:
     return f"amqp://guest:guest@127.0.0.1:{proxy.port}/"
 
 
-@pytest.fixture(scope="module")
-def private_broker() -> Iterator[object]:
-    """A private RabbitMQ node (own ports and data) that tests may kill or restart."""
+@pytest.fixture(scope="session")
+def private_node_session() -> Iterator[PrivateBroker]:
+    """The run's one private RabbitMQ node (own ports, data and cookie), started once.
+
+    A start costs about 8 s (far more on a loaded machine): one per module that
+    asked for it added up. Every test names its own queues, so tests share it;
+    `private_broker` starts it again if an earlier test left it down.
+    """
     from tests.support.private_node import running_private_node
 
     with running_private_node("rtest") as node:
         yield node
+
+
+@pytest.fixture
+def private_broker(private_node_session: PrivateBroker) -> PrivateBroker:
+    """A private RabbitMQ node that tests may kill or restart: the session's, running."""
+    if not private_node_session.is_running():
+        private_node_session.start()
+    return private_node_session

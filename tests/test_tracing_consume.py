@@ -23,7 +23,7 @@ from reliable_mq._consume.settle import Cause, Decision, Outcome
 from reliable_mq._tracing import CHANNEL_CLOSED
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery, Settle
-from reliable_mq.handlers import Reject
+from reliable_mq.handlers import BatchFailed, Reject
 from reliable_mq.headers import DROPPED_HEADERS_HEADER
 from reliable_mq.testing import TCPProxy
 from reliable_mq.topology import delete_topology
@@ -393,3 +393,79 @@ async def _delete(consumer: ReliableConsumer, queue: str, url: str) -> None:
     async with link:
         channel = await link.channel()
         await delete_topology(channel, consumer.topology(queue))
+
+
+def batch_spans(spans: Spans) -> list[ReadableSpan]:
+    return [
+        s
+        for s in spans.named("process ")
+        if "messaging.batch.message_count" in (s.attributes or {})
+    ]
+
+
+@pytest.mark.rabbitmq
+class TestBatchHandlerSpans:
+    async def test_a_batch_call_is_one_process_span_linked_to_its_deliveries(
+        self, consumers: ConsumerEnv, spans: Spans
+    ) -> None:
+        """A batch handler's call runs in one CONSUMER ``process {queue}`` span, a root
+        with the batch's count and a link to each delivery's process span; the
+        handler's own spans are its children, not the leading delivery's."""
+        consumer = consumers.consumer(prefetch=20)
+        tracer = spans.provider.get_tracer("test")
+
+        @consumer.batch_handler(consumers.queue, max_size=10, max_wait=5.0)
+        async def handle(bodies: list[bytes]) -> None:
+            with tracer.start_as_current_span("work"):
+                pass
+
+        async with consumer:
+            await publish(consumers, None, *(f"b-{n}" for n in range(10)))
+            await wait_until(lambda: len(spans.named("work")) == 1, timeout=10, what="the call")
+            await wait_until(lambda: consumer.stats().in_progress == 0, timeout=10)
+        [batch] = batch_spans(spans)
+        deliveries = [s for s in spans.named("process ") if s is not batch]
+        [work] = spans.named("work")
+        assert len(deliveries) == 10
+        assert batch.name == f"process {consumers.queue}"
+        assert batch.kind is SpanKind.CONSUMER
+        assert batch.parent is None
+        assert parent_of(work) == ids_of(batch)
+        assert sorted((link.context.trace_id, link.context.span_id) for link in batch.links) == (
+            sorted(ids_of(p) for p in deliveries)
+        )
+        attributes = batch.attributes or {}
+        assert attributes["messaging.batch.message_count"] == 10
+        assert attributes["messaging.operation.type"] == "process"
+        assert attributes["reliable_mq.batch.failed"] == 0
+        assert batch.status.status_code is StatusCode.UNSET
+        assert all(p.end_time is not None and p.end_time >= batch.end_time for p in deliveries)  # type: ignore[operator]
+
+    async def test_failed_messages_are_counted_and_a_failed_call_is_an_error(
+        self, consumers: ConsumerEnv, spans: Spans
+    ) -> None:
+        """`BatchFailed` for 2 of 4: the call's span counts 2 failed and is no error; a
+        call that raises fails every message: ``error.type`` is the exception's class."""
+        consumer = consumers.consumer(prefetch=20)
+        calls = 0
+
+        @consumer.batch_handler(consumers.queue, max_size=4, max_wait=5.0)
+        async def handle(bodies: list[bytes], deliveries: list[Delivery]) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise BatchFailed({0: Reject("bad"), deliveries[1].message_id: Reject("bad")})
+            raise Reject("all bad")
+
+        async with consumer:
+            await publish(consumers, None, *(f"f-{n}" for n in range(4)))
+            await wait_until(lambda: len(batch_spans(spans)) == 1, timeout=10, what="call 1")
+            await publish(consumers, None, *(f"g-{n}" for n in range(4)))
+            await wait_until(lambda: len(batch_spans(spans)) == 2, timeout=10, what="call 2")
+            await wait_until(lambda: consumer.stats().in_progress == 0, timeout=10)
+        first, second = sorted(batch_spans(spans), key=lambda s: s.start_time or 0)
+        assert (first.attributes or {})["reliable_mq.batch.failed"] == 2
+        assert first.status.status_code is StatusCode.UNSET
+        assert (second.attributes or {})["reliable_mq.batch.failed"] == 4
+        assert (second.attributes or {})["error.type"] == "Reject"
+        assert second.status.status_code is StatusCode.ERROR

@@ -16,7 +16,8 @@ own (httpx's transport layer is the model):
   ``basic.get`` as `Got`, settle); `user_channel` wraps an application's
   aio-pika channel the same way.
 * `classify` is the one error map: whatever a call here raises (`AMQP_ERRORS`)
-  becomes a `Fault` of a `FaultKind`.
+  becomes a `Fault` of a `FaultKind`; `inequivalence` reads the broker's 406
+  refusal of a redeclare (the argument that differs and the queue's value).
 * `reliable_mq._amqp.wire` encodes what we publish; `reliable_mq._amqp.inbound`
   decodes what we consume (`Undecodable`: what pamqp could not decode).
 """
@@ -36,7 +37,7 @@ from .channels import (
 )
 from .confirm import ConfirmChannel, ConfirmEvents, Publish
 from .consume import ConsumeChannel
-from .faults import AMQP_ERRORS, Fault, FaultKind, classify
+from .faults import AMQP_ERRORS, Fault, FaultKind, Inequivalence, classify, inequivalence
 from .inbound import OnDelivery, Undecodable
 from .link import Link, LinkEnd, open_link
 
@@ -51,6 +52,7 @@ __all__ = (
     "Fault",
     "FaultKind",
     "Got",
+    "Inequivalence",
     "Link",
     "LinkEnd",
     "OnDelivery",
@@ -60,6 +62,7 @@ __all__ = (
     "UserChannel",
     "UserConnection",
     "classify",
+    "inequivalence",
     "is_user_channel",
     "open_link",
     "user_channel",

@@ -8,24 +8,36 @@ synchronously and in tag order, on either path:
 * plain: aiormq's public ``basic_consume`` callback (aiormq starts a task per
   delivery, in order, which calls ``on_delivery`` at once).
 
-Settles are aiormq's public ``basic_ack`` and ``basic_nack`` on both.
+Settles are aiormq's public ``basic_ack`` and ``basic_nack`` on both. Batched
+acks may also go out without a task or an await: `ConsumeChannel.ack_frame`
+encodes a ``basic.ack`` frame, and `ConsumeChannel.write_now` puts the ack
+frames of any channels of one connection on the connection's write queue
+(aiormq's public ``Channel.write_queue``) as *one* item, so the writer sends
+them in one socket write. `ConsumeChannel.has_room` says whether that item fits
+now (the queue is bounded); the caller checks it and writes before its next
+``await``, so nothing is queued between its decision and its frame.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiormq
-from aiormq.abc import DeliveredMessage
+from aiormq.abc import ChannelFrame, DeliveredMessage
 from pamqp.commands import Basic
 
 from .faults import AMQP_ERRORS
 from .inbound import OnDelivery, take_deliveries
 
 __all__ = ("ConsumeChannel",)
+
+_ACK_FRAME = struct.Struct(">BHLHHQBB")
+"""A ``basic.ack`` method frame: type 1, channel, payload size 13, class 60,
+method 80, delivery tag, the ``multiple`` bit, frame end 0xCE."""
 
 
 class ConsumeChannel:
@@ -39,6 +51,30 @@ class ConsumeChannel:
         self._channel = channel
         self.fast = fast
         self.number = int(channel.number)
+        self._writes: asyncio.Queue[Any] = channel.write_queue
+
+    @property
+    def link_key(self) -> int:
+        """The same for every channel of one connection: their frames may share one write."""
+        return id(self._writes)
+
+    def ack_frame(self, tag: int, *, multiple: bool) -> bytes:
+        """The encoded ``basic.ack(tag, multiple)`` frame of this channel."""
+        return _ACK_FRAME.pack(1, self.number, 13, 60, 80, tag, multiple, 0xCE)
+
+    def has_room(self) -> bool:
+        """True if `write_now` can queue an item now."""
+        return not self._writes.full()
+
+    def write_now(self, frames: bytes) -> None:
+        """Queue encoded frames (of any channels of this connection) as one write.
+
+        Check `has_room` first, with no ``await`` between the two.
+
+        Raises:
+            asyncio.QueueFull: no room (`has_room` was not checked).
+        """
+        self._writes.put_nowait(ChannelFrame(payload=frames, should_close=False))
 
     @property
     def is_closed(self) -> bool:

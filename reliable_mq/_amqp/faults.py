@@ -16,6 +16,7 @@ import asyncio
 import enum
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import aiormq
 from aiormq.exceptions import (
@@ -52,9 +53,11 @@ __all__ = (
     "REPLY_SUCCESS",
     "Fault",
     "FaultKind",
+    "Inequivalence",
     "classify",
     "classify_close",
     "consumer_timeout_of",
+    "inequivalence",
     "is_delivery_nack",
     "is_return",
     "reader_error",
@@ -323,3 +326,61 @@ def reader_error(exc: BaseException) -> BaseException | None:  # noqa: PLR0911 (
         case PAMQPException():
             return InvalidFrameError(str(exc))
     return None
+
+
+_INEQUIVALENT = re.compile(r"inequivalent arg '([^']+)'.*?received (.*?) but current is (.*)$")
+_TYPED_VALUE = re.compile(r"the value '(.*)' of type '(\w+)'$")
+_FLAGS = ("durable", "auto_delete", "exclusive")
+
+
+@dataclass(frozen=True, slots=True)
+class Inequivalence:
+    """A 406 ``inequivalent arg`` refusal of a redeclare, read.
+
+    RabbitMQ refuses a redeclare that differs from the queue in one compared
+    argument or flag at a time, naming it with the queue's own value, e.g.
+    ``inequivalent arg 'x-max-length' for queue 'q' in vhost '/': received the
+    value '5' of type 'long' but current is the value '10' of type 'long'``.
+
+    Attributes:
+        argument: the argument (``x-...``) or flag (``durable``, ``auto_delete``) named.
+        present: the queue has a value for it (False: ``current is none``).
+        value: the queue's own value (None when not ``present``): a bool for a
+            flag or a ``bool`` argument, an int or float for numbers, else the text.
+        text: the broker's own words for that value (``'quorum'``, ``none``, ...).
+    """
+
+    argument: str
+    present: bool
+    value: Any
+    text: str
+
+
+def inequivalence(fault: Fault) -> Inequivalence | None:  # noqa: PLR0911 (a parser: one return per kind of value)
+    """The argument a 406 ``inequivalent arg`` refusal names, and the queue's own value.
+
+    None when the refusal is of another kind, or its value's type is not one
+    this parser reads (then nothing can be learnt from it).
+    """
+    match = _INEQUIVALENT.search(fault.reply_text)
+    if match is None:
+        return None
+    argument, _received, current = match.groups()
+    current = current.strip()
+    if current == "none":
+        return Inequivalence(argument, False, None, current)
+    typed = _TYPED_VALUE.match(current)
+    if typed is None:  # 'quorum', or 'false' for durable
+        text = current.strip("'")
+        value: Any = (text == "true") if argument in _FLAGS else text
+        return Inequivalence(argument, True, value, current)
+    text, kind = typed.groups()
+    if kind == "longstr":
+        return Inequivalence(argument, True, text, current)
+    if kind == "bool":
+        return Inequivalence(argument, True, text == "true", current)
+    try:
+        number = float(text) if kind in ("float", "double", "decimal") else int(text)
+    except ValueError:
+        return None
+    return Inequivalence(argument, True, number, current)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
+from .._tracing import batch_process_ended, start_batch_process, use_span
 from ..dedup.base import AlreadyProcessed
 from ..delivery import Delivery, Settle
 from ..errors import InvalidSettings
@@ -155,10 +156,10 @@ class Batcher:
                     pass
             self._close(batch)
             if self.slots is None:
-                causes = await self._run(batch)
+                causes = await self._traced(batch)
             else:
                 async with self.slots:
-                    causes = await self._run(batch)
+                    causes = await self._traced(batch)
         except BaseException:
             self._close(batch)
             self._orphaned(batch)
@@ -191,6 +192,29 @@ class Batcher:
         for ticket in batch.tickets:
             if ticket.delivery.message_id:
                 ended(ticket.delivery.message_id)
+
+    async def _traced(self, batch: _Batch) -> list[Cause]:
+        """`_run` inside the batch's ``process`` span when tracing is on (a root linked
+        to each delivery's ``process`` span), so the handler's spans belong to the
+        batch and not to the delivery that led it."""
+        tracer = self.shared.tracing.tracer()
+        if tracer is None:
+            return await self._run(batch)
+        address = self.shared.address
+        span = start_batch_process(
+            tracer,
+            queue=self.route.spec.queue,
+            processes=[ticket.span for ticket in batch.tickets],
+            url=None if address is None else address().url,
+        )
+        if span is None:  # the tracer failed (logged once): no span, same work
+            return await self._run(batch)
+        with use_span(span):
+            causes = await self._run(batch)
+            failed = [c for c in causes if c.outcome is not Outcome.RETURNED]
+            error = failed[0].error if len(failed) == len(causes) and failed else None
+            batch_process_ended(span, len(failed), error)
+        return causes
 
     async def _run(self, batch: _Batch) -> list[Cause]:  # noqa: PLR0911, PLR0912 (one return per way a call ends)
         """Call the handler with the batch; how it ended, as one cause per delivery."""

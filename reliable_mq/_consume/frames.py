@@ -4,8 +4,12 @@
 lock: the tracker's state changes under the same lock as the frame is written,
 so a batched ``basic.ack(multiple=true)`` never overtakes a single settle of a
 tag it covers (the broker would close the channel: ``PRECONDITION_FAILED -
-unknown delivery tag``). Once the channel is gone, settles are dropped and
-counted as stale. `Shared` holds what every channel of one consumer shares.
+unknown delivery tag``). Batched acks may also leave without the lock, when it
+is free: `Frames.take_acks` changes the tracker and encodes the frames, and
+they are queued before the next ``await`` (a full batch at once, the rest on the
+consumer's one timer: `reliable_mq._consume.flusher.AckFlusher`). Once the
+channel is gone, settles are dropped and counted as stale. `Shared` holds what
+every channel of one consumer shares.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ..metrics import QueueMetrics
 from ..publisher import ReliablePublisher
 from ..settings import BrokerAddress, ConsumerSettings
 from .acks import AckTracker
+from .flusher import AckFlusher
 
 __all__ = ("FrameKind", "Frames", "Shared", "broker_cut")
 
@@ -63,6 +68,7 @@ class Shared:
     """
 
     __slots__ = (
+        "acks",
         "active",
         "address",
         "broker_cut",
@@ -80,6 +86,8 @@ class Shared:
 
     def __init__(self, settings: ConsumerSettings, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.acks = AckFlusher(settings.ack_flush_interval)
+        """The one timer that writes every channel's batched acks."""
         self.tracing = tracing if tracing is not None else Tracing()
         """The ``process`` spans' tracer (see `reliable_mq._tracing`)."""
         self.address: Callable[[], BrokerAddress] | None = None
@@ -137,10 +145,13 @@ class Frames:
         self.alive = True
         self.tracker = AckTracker()
         self.lock = asyncio.Lock()
-        self.flush_handle: asyncio.TimerHandle | None = None
         self.flush_tasks: set[asyncio.Task[None]] = set()
-        self.batch = shared.settings.batch_ack
-        self.batch_size = shared.settings.ack_batch_size
+        settings = shared.settings
+        self.batch = settings.batch_ack
+        # A full batch is written at once. Below a small prefetch, at half of it:
+        # the broker sends nothing more on a channel whose prefetch is all unacked.
+        half = max(settings.prefetch // 2, 1) if settings.prefetch else settings.ack_batch_size
+        self.batch_size = min(settings.ack_batch_size, half)
         self.traced: dict[int, SettleTrace] = {}
         """Batched acks of traced deliveries, by tag, until their frame is written or lost."""
 
@@ -264,18 +275,46 @@ class Frames:
                     else:
                         await self._write(_ACK, single, 1, wait=wait)
 
-    def _on_flush_timer(self) -> None:
-        self.flush_handle = None
-        if self.tracker.pending and not self.dead():
-            self.spawn(self.flush(stragglers=True))
+    def take_acks(self, *, stragglers: bool) -> bytes:
+        """Take the finished prefix (and the stragglers) as encoded ack frames.
+
+        The caller has checked that `lock` is free and the channel alive, and
+        queues the frames (`reliable_mq._amqp.ConsumeChannel.write_now`) before
+        its next ``await``: nothing may come between this decision and them.
+        """
+        channel, tracker, traced = self.channel, self.tracker, self.traced
+        tag, count = tracker.take_prefix()
+        frames = []
+        if tag is not None:
+            frames.append(channel.ack_frame(tag, multiple=count > 1))
+            covered = self._covered(tag) if traced else None
+            if covered:
+                self._record(_ACK_MULTIPLE if count > 1 else _ACK, covered, count, tag, None)
+        if stragglers:
+            for single in tracker.take_stragglers():
+                frames.append(channel.ack_frame(single, multiple=False))
+                trace = traced.pop(single, None) if traced else None
+                if trace is not None:
+                    self._record(_ACK, [trace], 1, single, None)
+        self.metrics.ack_frames += len(frames)
+        return b"".join(frames)
+
+    def _write_batch(self) -> bool:
+        """Write the finished prefix now, without a task or an await, if the lock is
+        free and the connection's write queue has room; False if not."""
+        channel = self.channel
+        if self.lock.locked() or not channel.has_room():
+            return False
+        frames = self.take_acks(stragglers=False)
+        if frames:
+            channel.write_now(frames)
+        return True
 
     def end(self) -> None:
-        """The channel is gone: stop timers and flushes (a write to a dead
-        connection can block forever in aiormq's bounded write queue)."""
+        """The channel is gone: stop flushes (a write to a dead connection can
+        block forever in aiormq's bounded write queue)."""
         self.alive = False
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
-            self.flush_handle = None
+        self.shared.acks.forget(self)
         for task in list(self.flush_tasks):
             task.cancel()
         if self.traced:  # batched acks never written: each delivery's settle span says so
@@ -285,9 +324,7 @@ class Frames:
 
     async def final_flush(self) -> None:
         """Shutdown: send every batched ack now, and wait for the broker to take them."""
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
-            self.flush_handle = None
+        self.shared.acks.forget(self)
         await self.flush(stragglers=True, wait=True)
 
     async def ack(self, tag: int, trace: SettleTrace | None = None) -> bool:
@@ -308,12 +345,11 @@ class Frames:
                 return True
             if trace is not None:
                 self.traced[tag] = trace
-            if self.tracker.pending >= self.batch_size:
+            tracker = self.tracker
+            if tracker.pending >= self.batch_size and not self._write_batch():
                 await self.flush(stragglers=False)
-            if self.tracker.pending and self.flush_handle is None:
-                self.flush_handle = asyncio.get_running_loop().call_later(
-                    self.shared.settings.ack_flush_interval, self._on_flush_timer
-                )
+            if tracker.pending:
+                self.shared.acks.wait(self)
             return True
         return await self._settle_single(_ACK, tag, trace)
 

@@ -24,11 +24,13 @@ if TYPE_CHECKING:
 
 __all__ = (
     "CHANNEL_CLOSED",
+    "batch_process_ended",
     "MAX_SETTLE_LINKS",
     "SettleTrace",
     "settle_frame",
     "settle_trace",
     "settled",
+    "start_batch_process",
     "start_process",
     "use_span",
 )
@@ -94,6 +96,46 @@ def start_process(
         attributes=attributes,
         links=links,
     )
+
+
+@_guarded(_nothing)
+def start_batch_process(
+    tracer: Any, *, queue: str, processes: Sequence[Any], url: URL | None
+) -> Any:
+    """Start a CONSUMER span ``process {queue}`` for one call of a batch handler: a
+    root with ``messaging.batch.message_count``, linked to the ``process`` span of
+    each delivery in the batch (at most `MAX_SETTLE_LINKS`; each of those is linked
+    to its producer). Current while the handler runs: the handler's own spans are
+    its children, never one delivery's."""
+    attributes: dict[str, Any] = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": queue or "amq.default",
+        "messaging.batch.message_count": len(processes),
+    }
+    _server(url, attributes)
+    links = [
+        trace.Link(span.get_span_context())
+        for span in processes[:MAX_SETTLE_LINKS]
+        if span is not None
+    ]
+    return tracer.start_span(
+        f"process {attributes['messaging.destination.name']}",
+        context=otel_context.Context(),
+        kind=trace.SpanKind.CONSUMER,
+        attributes=attributes,
+        links=links,
+    )
+
+
+@_guarded(_nothing)
+def batch_process_ended(span: Any, failed: int, error: BaseException | None) -> None:
+    """The batch call ended: how many of its messages failed, and the error of a
+    call that failed them all (a batch ``BatchFailed`` partly failed is no error)."""
+    span.set_attribute("reliable_mq.batch.failed", failed)
+    if error is not None:
+        _failed(span, error)
 
 
 @_guarded(_nothing)

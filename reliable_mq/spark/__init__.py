@@ -39,7 +39,9 @@ The package's modules, one job each: ``_spec`` (the spec and its enums),
 ``_encode`` (schema-directed encoders), ``_plan`` (spec x schema, the row
 encoder, ids), ``_partition`` (the executor side), ``_driver`` (checks, the
 job, the report), ``_stream`` (micro-batches and stopping), ``_source`` (batch reads of a
-stream), ``datasource`` (the ``rabbitmq`` format).
+stream), ``_rows`` (a read's schema and rows: the body binary or JSON, with
+``_ddl`` and ``_json_types``), ``_stream_source`` (streaming reads),
+``datasource`` (the ``rabbitmq`` format).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from ._driver import (
 from ._errors import (
     DestinationNotFound,
     DuplicateKeys,
+    MalformedBody,
     NullKey,
     PartitionNotConfirmed,
     StreamStopping,
@@ -82,19 +85,24 @@ from ._plan import (
     message_id_for,
     plan_publish,
 )
-from ._source import READ_SCHEMA, ReadSpec
+from ._rows import READ_SCHEMA, BadRows, BodyFormat, RowFormat
+from ._source import ReadSpec
 from ._spec import IdScheme, NonFinite, PublishSpec
 from ._stream import BatchSink, foreach_batch_sink, stop_after_current_batch
+from ._stream_source import StreamSourceSpec
 from .datasource import RabbitMQDataSource, register_data_source
 
 __all__ = (
+    "BadRows",
     "BatchSink",
+    "BodyFormat",
     "DestinationNotFound",
     "DuplicateKeys",
     "HEADER_BATCH_ID",
     "HEADER_PARTITION",
     "HEADER_TASK_ATTEMPT",
     "IdScheme",
+    "MalformedBody",
     "NonFinite",
     "NullKey",
     "PartitionNotConfirmed",
@@ -105,6 +113,8 @@ __all__ = (
     "READ_SCHEMA",
     "RabbitMQDataSource",
     "ReadSpec",
+    "RowFormat",
+    "StreamSourceSpec",
     "StreamStopping",
     "TaskInfo",
     "UnsupportedSchema",

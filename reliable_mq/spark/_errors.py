@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from ..errors import InvalidMessage, ReliableMQError
+from ..errors import InvalidMessage, ReliableMQError, StreamError
 
 __all__ = (
     "DestinationNotFound",
     "DuplicateKeys",
+    "MalformedBody",
     "NullKey",
     "PartitionNotConfirmed",
     "StreamStopping",
@@ -79,3 +80,22 @@ class StreamStopping(ReliableMQError):
 
     The batch is not committed, so Spark replays it when the query restarts.
     """
+
+
+class MalformedBody(StreamError, ValueError):
+    """A stream record's body is not JSON of the read's ``bodySchema`` (``mode`` ``FAILFAST``).
+
+    Raised in the task that read it, so the read fails; with ``mode``
+    ``PERMISSIVE`` the body goes to the corrupt column instead.
+
+    Attributes:
+        stream: the stream.
+        offset: the record's offset.
+        reason: what is wrong (not UTF-8, not JSON, which field has which type).
+    """
+
+    def __init__(self, message: str, *, stream: str, offset: int, reason: str) -> None:
+        super().__init__(message)
+        self.stream = stream
+        self.offset = offset
+        self.reason = reason

@@ -5,28 +5,20 @@ The driver resolves the starting and ending points to offsets
 the stream's head is data loss), and cuts ``[start, end)`` into
 ``numPartitions`` ranges (`split_range`). Each task reads its range over a
 connection of its own with a `StreamReader` (prefetch, multiple acks, stops at
-the end offset) and yields one row per message.
+the end offset) and yields one row per message, as `RowFormat` builds it
+(the body binary, or JSON parsed into a struct: `reliable_mq.spark._rows`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 from collections.abc import AsyncGenerator, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import SecretStr
 from pyspark.sql.datasource import DataSourceReader, InputPartition
-from pyspark.sql.types import (
-    BinaryType,
-    LongType,
-    MapType,
-    StringType,
-    StructField,
-    StructType,
-    TimestampType,
-)
+from pyspark.sql.types import StructType
 
 from .._sync import run_sync
 from ..errors import InvalidSettings, StreamDataLoss
@@ -41,23 +33,10 @@ from ..streams import (
     parse_starting_offset,
     split_range,
 )
+from ._rows import BODY_OPTIONS, READ_SCHEMA, RowFormat
 
 __all__ = ("READ_SCHEMA", "RabbitMQStreamRangeReader", "ReadSpec", "StreamPartition")
-
-READ_SCHEMA = StructType(
-    [
-        StructField("stream", StringType(), False),
-        StructField("offset", LongType(), False),
-        StructField("body", BinaryType(), False),
-        StructField("message_id", StringType(), True),
-        StructField("routing_key", StringType(), False),
-        StructField("exchange", StringType(), False),
-        StructField("headers", MapType(StringType(), StringType(), True), False),
-        StructField("properties", MapType(StringType(), StringType(), True), False),
-        StructField("timestamp", TimestampType(), True),
-    ]
-)
-"""The rows of a stream read: header and property values as text."""
+# READ_SCHEMA lives in _rows (shared with the streaming source); re-exported here.
 
 _OPTIONS = (
     "url",
@@ -67,6 +46,7 @@ _OPTIONS = (
     "failondataloss",
     "numpartitions",
     "prefetch",
+    *BODY_OPTIONS,
 )
 _BATCH = 500
 """Records taken from the reader per step of a task's event loop."""
@@ -85,6 +65,9 @@ class ReadSpec:
         fail_on_data_loss: option ``failOnDataLoss`` (default true).
         partitions: option ``numPartitions`` (default 1): ranges read in parallel.
         prefetch: option ``prefetch`` (default 1000): deliveries in flight per task.
+        rows: the rows' format: the body binary or parsed JSON (options
+            ``bodyFormat``, ``bodySchema``, ``mode``, ``columnNameOfCorruptRecord``:
+            see `RowFormat`).
     """
 
     connection: dict[str, Any]
@@ -94,14 +77,16 @@ class ReadSpec:
     fail_on_data_loss: bool = True
     partitions: int = 1
     prefetch: int = 1000
+    rows: RowFormat = field(default_factory=RowFormat)
 
     @classmethod
-    def from_options(cls, options: Mapping[str, str]) -> ReadSpec:
-        """The spec from ``spark.read`` options (any case).
+    def from_options(cls, options: Mapping[str, str], schema: StructType | None = None) -> ReadSpec:
+        """The spec from ``spark.read`` options (any case) and the read's schema.
 
         Raises:
-            InvalidSettings: an unknown option, a missing ``url`` or ``stream``, or a
-                value that does not parse.
+            InvalidSettings: an unknown option, a missing ``url`` or ``stream``, a
+                value that does not parse, or a ``schema`` other than the one the
+                options read.
         """
         given = {str(k).lower(): str(v) for k, v in options.items()}
         problems = [(name, "unknown option") for name in given if name not in _OPTIONS]
@@ -133,6 +118,7 @@ class ReadSpec:
             fail_on_data_loss=fail == "true",
             partitions=numbers["numpartitions"],
             prefetch=numbers["prefetch"],
+            rows=RowFormat.from_options(given, schema),
         )
 
     def settings(self) -> ConnectionSettings:
@@ -183,30 +169,6 @@ async def plan_ranges(spec: ReadSpec) -> list[OffsetRange]:
     return split_range(whole, spec.partitions) or [whole]  # Spark wants one partition at least
 
 
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", "replace")
-    if isinstance(value, dt.datetime):
-        return value.isoformat()
-    return str(value)
-
-
-def _row(record: StreamRecord) -> tuple[Any, ...]:
-    return (
-        record.stream,
-        record.offset,
-        record.body,
-        record.message_id,
-        record.routing_key,
-        record.exchange,
-        {str(k): _text(v) for k, v in record.headers.items()},
-        {k: _text(v) for k, v in record.properties.items()},
-        record.timestamp,
-    )
-
-
 async def _take(records: AsyncGenerator[StreamRecord, None], count: int) -> list[StreamRecord]:
     taken: list[StreamRecord] = []
     async for record in records:
@@ -235,7 +197,7 @@ def read_range(spec: ReadSpec, offsets: OffsetRange) -> Iterator[tuple[Any, ...]
         records = reader.read(offsets, fail_on_data_loss=spec.fail_on_data_loss)
         try:
             while batch := runner.run(_take(records, _BATCH)):
-                yield from map(_row, batch)
+                yield from map(spec.rows.row, batch)
         finally:
             runner.run(_close(reader, records))
 

@@ -1,7 +1,8 @@
 """The ``rabbitmq`` format: writes (``df.write``, ``writeStream``), stream reads (``spark.read``).
 
 A Python Data Source. Reading: a stream between two offsets, as a batch
-(`reliable_mq.spark._source`); the streaming reader is not built yet.
+(`reliable_mq.spark._source`), or streams as they grow, offsets in Spark's
+checkpoint (`reliable_mq.spark._stream_source`).
 
 Built on PySpark 4's ``pyspark.sql.datasource`` API and on nothing but the
 public functions of `reliable_mq.spark`:
@@ -57,8 +58,10 @@ from ._driver import check_destination, raise_for_stats
 from ._errors import NullKey
 from ._partition import PartitionStats, current_task, publish_partition
 from ._plan import PublishPlan, arrow_rows, plan_publish
-from ._source import READ_SCHEMA, RabbitMQStreamRangeReader, ReadSpec
+from ._rows import RowFormat
+from ._source import RabbitMQStreamRangeReader, ReadSpec
 from ._spec import IdScheme, PublishSpec, check_destination_option
+from ._stream_source import RabbitMQStreamSource, StreamSourceSpec
 
 __all__ = (
     "RabbitMQDataSource",
@@ -85,7 +88,7 @@ def register_data_source(spark: SparkSession) -> None:
 
 
 class RabbitMQDataSource(DataSource):
-    """The ``rabbitmq`` format: writes (batch and streaming), and batch reads of a stream.
+    """The ``rabbitmq`` format: writes and reads, batch and streaming.
 
     Options are `PublishSpec`'s fields (see `PublishSpec.from_options`), plus
     ``check_destination`` (default ``true``: passive declare on the driver).
@@ -99,8 +102,14 @@ class RabbitMQDataSource(DataSource):
         return "rabbitmq"
 
     def schema(self) -> StructType:
-        """The rows of a stream read (``spark.read``): see `READ_SCHEMA`."""
-        return READ_SCHEMA
+        """The rows of a stream read (``spark.read``) when no ``.schema(...)`` is given:
+        `READ_SCHEMA`, or with ``bodyFormat`` ``json`` the body as a struct (`RowFormat`).
+
+        Raises:
+            InvalidSettings: a body option that does not parse.
+        """
+        given = {str(k).lower(): str(v) for k, v in self.options.items()}
+        return RowFormat.from_options(given).schema()
 
     def reader(self, schema: StructType) -> RabbitMQStreamRangeReader:
         """``spark.read.format("rabbitmq")``: a stream between two offsets (`ReadSpec` options).
@@ -110,7 +119,15 @@ class RabbitMQDataSource(DataSource):
             NotAStream: the name is a classic or quorum queue, or nothing.
             StreamDataLoss: retention removed the start (``failOnDataLoss`` true).
         """
-        return RabbitMQStreamRangeReader(ReadSpec.from_options(dict(self.options)))
+        return RabbitMQStreamRangeReader(ReadSpec.from_options(dict(self.options), schema))
+
+    def streamReader(self, schema: StructType) -> RabbitMQStreamSource:
+        """``spark.readStream.format("rabbitmq")``: streams as they grow (`StreamSourceSpec`).
+
+        Raises:
+            InvalidSettings: bad options (checked here, before the query starts).
+        """
+        return RabbitMQStreamSource(StreamSourceSpec.from_options(dict(self.options)))
 
     def writer(self, schema: StructType, overwrite: bool) -> RabbitMQWriter:
         return RabbitMQWriter(self._plan(schema, overwrite))

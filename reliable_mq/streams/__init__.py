@@ -3,7 +3,8 @@
 A stream (``x-queue-type: stream``) keeps its messages after they are read.
 Publish to it as to any queue, with confirms (`ReliablePublisher`, the Spark
 writer, the outbox relay). Read it with a `StreamReader`, from an offset you
-keep, or with the Spark source (``spark.read.format("rabbitmq")``).
+keep, or with the Spark sources (``spark.read.format("rabbitmq")``, and
+``spark.readStream`` with offsets in the checkpoint).
 
 ```python
 from reliable_mq.streams import OffsetRange, StreamReader, declare_stream

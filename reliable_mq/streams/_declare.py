@@ -9,6 +9,7 @@ segments are older than ``x-max-age``.
 from __future__ import annotations
 
 import contextlib
+import enum
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from .._amqp import (
     FaultKind,
     UserChannel,
     classify,
+    inequivalence,
     is_user_channel,
 )
 from .._amqp import user_channel as _user_channel
@@ -160,15 +162,24 @@ async def is_stream(connection: ChannelOpener, name: str) -> bool | None:
 
     AMQP 0-9-1 cannot ask a queue's type (and a stream's passive declare
     counts messages as a queue's does), so after a passive declare (does it
-    exist?) the queue is redeclared with ``x-queue-type: stream``, a no-op on
-    an existing queue: RabbitMQ refuses it naming one argument that differs,
-    with the queue's own value, and each round takes that value, until the
-    declaration is accepted (a stream) or the refusal names ``x-queue-type``
-    (the queue's own type). Only when a refusal cannot be read, an empty queue
-    gets a probe consumer without a prefetch, which RabbitMQ refuses only on a
-    stream (it takes no message from a stream, and what it may take from an
-    empty queue goes back when its channel closes); a queue with messages is
-    then taken as no stream.
+    exist?) the queue is redeclared as a stream (`_PROBE_ARGUMENTS`), a no-op
+    on an existing queue, until the broker accepts the declaration (a stream)
+    or refuses it on ``x-queue-type`` or ``x-expires`` (a classic or quorum
+    queue). RabbitMQ refuses a redeclare naming one argument that differs,
+    with the queue's own value; each round takes that value.
+
+    The redeclare cannot create anything, even when the queue is deleted
+    between two steps: it carries ``x-expires: 0``, which a stream neither
+    accepts at creation (nor does any queue type accept 0) nor compares on a
+    redeclare (RabbitMQ 3.10 compares only the arguments of the queue's own
+    type), while classic and quorum queues compare it. A declaration that
+    reaches the broker's creating path is refused, and the queue is reported
+    missing.
+
+    Only when a refusal cannot be read, an empty queue gets a probe consumer
+    without a prefetch, which RabbitMQ refuses only on a stream (it takes no
+    message from a stream, and what it may take from an empty queue goes back
+    when its channel closes); a queue with messages is then taken as no stream.
     """
     channel = await connection.channel()
     try:
@@ -182,74 +193,68 @@ async def is_stream(connection: ChannelOpener, name: str) -> bool | None:
     finally:
         await channel.close()
     verdict = await _declared_as_stream(connection, name)
-    if verdict is not None:
-        return verdict
+    if verdict is not _Verdict.UNKNOWN:
+        return _VERDICTS[verdict]
     if info.messages:
         return False
     return await _refuses_no_prefetch(connection, name)
 
 
-_INEQUIVALENT = re.compile(r"inequivalent arg '([^']+)'.*?received (.*?) but current is (.*)$")
-_TYPED_VALUE = re.compile(r"the value '(.*)' of type '(\w+)'$")
-_ABSENT = object()
+class _Verdict(enum.Enum):
+    STREAM = enum.auto()
+    QUEUE = enum.auto()
+    MISSING = enum.auto()
+    UNKNOWN = enum.auto()
+    """A refusal that could not be read."""
+
+
+_VERDICTS: dict[_Verdict, bool | None] = {
+    _Verdict.STREAM: True,
+    _Verdict.QUEUE: False,
+    _Verdict.MISSING: None,
+}
+_NOT_A_STREAM_ARGUMENT = "x-expires"
+_PROBE_ARGUMENTS: dict[str, Any] = {"x-queue-type": "stream", _NOT_A_STREAM_ARGUMENT: 0}
+"""What the probe redeclares with: no declaration with these can create a queue
+(probed on 3.10.8: "invalid arg 'x-expires' ... of queue type rabbit_stream_queue")."""
 _ROUNDS = 16
 
 
-def _queue_value(reply_text: str) -> tuple[str, Any] | None:  # noqa: PLR0911 (a parser)
-    """The argument a 406 names and the queue's own value (``_ABSENT``: none)."""
-    match = _INEQUIVALENT.search(reply_text)
-    if match is None:
-        return None
-    argument, _received, current = match.groups()
-    current = current.strip()
-    if current == "none":
-        return argument, _ABSENT
-    typed = _TYPED_VALUE.match(current)
-    if typed is None:  # 'quorum', or 'false' for durable
-        return argument, current.strip("'")
-    text, kind = typed.groups()
-    if kind == "longstr":
-        return argument, text
-    if kind == "bool":
-        return argument, text == "true"
-    try:
-        return argument, int(text)
-    except ValueError:
-        return None
-
-
-async def _declared_as_stream(connection: ChannelOpener, name: str) -> bool | None:
-    """Redeclare ``name`` as a stream, taking its own values, until accepted or refused on
-    its type (see `is_stream`); None when a refusal cannot be read."""
-    arguments: dict[str, Any] = {"x-queue-type": "stream"}
+async def _declared_as_stream(connection: ChannelOpener, name: str) -> _Verdict:
+    """Redeclare ``name`` with `_PROBE_ARGUMENTS`, taking its own values, until accepted or
+    refused on its type (see `is_stream`)."""
+    arguments = dict(_PROBE_ARGUMENTS)
     flags = {"durable": True, "auto_delete": False}
     for _ in range(_ROUNDS):
         channel = await connection.channel()
         try:
             await channel.declare_queue(name, arguments=arguments, **flags)
-            return True
+            return _Verdict.STREAM
         except AMQP_ERRORS as exc:
             fault = classify(exc)
             if fault is None or fault.reply_code != 406:
                 raise
         finally:
             await channel.close()
-        found = _queue_value(fault.reply_text)
+        found = inequivalence(fault)
         if found is None:
-            return None
-        argument, value = found
-        if argument == "x-queue-type":
-            return bool(value == "stream")
-        if argument in flags:
-            flags[argument] = value in (True, "true")
-        elif value is _ABSENT:
-            arguments.pop(argument, None)
+            # Only the creating path validates arguments: the queue is gone.
+            gone = f"invalid arg '{_NOT_A_STREAM_ARGUMENT}'" in fault.reply_text
+            return _Verdict.MISSING if gone else _Verdict.UNKNOWN
+        if found.argument == "x-queue-type":
+            return _Verdict.STREAM if found.value == "stream" else _Verdict.QUEUE
+        if found.argument == _NOT_A_STREAM_ARGUMENT:
+            return _Verdict.QUEUE
+        if found.argument in flags:
+            flags[found.argument] = bool(found.value)
+        elif not found.present:
+            arguments.pop(found.argument, None)
         else:
-            arguments[argument] = value
-    return None
+            arguments[found.argument] = found.value
+    return _Verdict.UNKNOWN
 
 
-async def _refuses_no_prefetch(connection: ChannelOpener, name: str) -> bool:
+async def _refuses_no_prefetch(connection: ChannelOpener, name: str) -> bool | None:
     channel = await connection.channel()
     try:
         await channel.consume_without_prefetch(name)
@@ -257,6 +262,8 @@ async def _refuses_no_prefetch(connection: ChannelOpener, name: str) -> bool:
         fault = classify(exc)
         if fault is not None and _PREFETCH_REFUSAL in fault.reply_text:
             return True
+        if fault is not None and fault.kind is FaultKind.NOT_FOUND:
+            return None
         raise
     finally:
         await channel.close()

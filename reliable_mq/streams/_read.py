@@ -265,26 +265,60 @@ class StreamReader:
         Reads the last chunk until deliveries pause for ``quiet`` seconds (or
         ``max_wait`` passed, under a steady flow of new messages): every
         offset below the result exists, or existed before retention.
+
+        Raises:
+            StreamError: the stream holds messages (``first`` delivers) but
+                ``last`` delivered none within ``idle_timeout``.
         """
         highest = -1
         loop = asyncio.get_running_loop()
         async with self._subscribe("last") as subscription:
+            delivery = await self._first(subscription, "last")
             deadline = loop.time() + max_wait
-            while loop.time() < deadline:
-                delivery = await subscription.next(
-                    self._quiet if highest >= 0 else self._first_wait
-                )
-                if delivery is None:
-                    break
+            while delivery is not None:
                 highest = max(highest, delivery.offset)
                 await subscription.ack(delivery.tag)
+                if loop.time() >= deadline:
+                    break
+                delivery = await subscription.next(self._quiet)
         return highest + 1
 
     async def head(self) -> int:
-        """The first offset the stream still holds (the tail when it is empty)."""
+        """The first offset the stream still holds (0 when it is empty).
+
+        Raises:
+            StreamError: the stream holds messages but ``first`` delivered
+                none within ``idle_timeout``.
+        """
         async with self._subscribe("first") as subscription:
-            delivery = await subscription.next(self._first_wait)
-        return delivery.offset if delivery is not None else await self.tail()
+            delivery = await self._first(subscription, "first")
+        return 0 if delivery is None else delivery.offset
+
+    async def _first(self, subscription: _Subscription, where: str) -> _Delivery | None:
+        """The first delivery of a subscription at ``first`` or ``last``; None only
+        when the stream is empty.
+
+        No delivery within ``first_wait`` means an empty stream, or a broker slow
+        to answer (a loaded one takes seconds). A second subscription, at the
+        other end, tells them apart: if it delivers, the stream holds messages
+        and this one waits on, up to ``idle_timeout``. (Taking slowness for
+        emptiness made `head` answer the tail: a read from ``earliest`` would
+        have skipped the whole stream.)
+        """
+        delivery = await subscription.next(self._first_wait)
+        if delivery is not None:
+            return delivery
+        other = "first" if where == "last" else "last"
+        async with self._subscribe(other) as probe:
+            if await probe.next(self._first_wait) is None:
+                return None  # neither end delivers: empty
+        delivery = await subscription.next(self._idle_timeout)
+        if delivery is None:
+            raise StreamError(
+                f"stream {self.stream!r} holds messages, but a consumer at {where!r} got "
+                f"none in {self._first_wait + self._idle_timeout:g} s"
+            )
+        return delivery
 
     async def resolve(self, start: StartingOffset) -> int:
         """A starting point as an offset.
@@ -303,7 +337,14 @@ class StreamReader:
             return start
         async with self._subscribe(start) as subscription:
             delivery = await subscription.next(self._first_wait)
-        return delivery.offset if delivery is not None else await self.tail()
+            if delivery is None:
+                # Nothing that recent, or a slow broker: once it has answered for
+                # the tail, it answers this subscription too (a second chance).
+                tail = await self.tail()
+                delivery = await subscription.next(self._first_wait) if tail else None
+                if delivery is None:
+                    return tail
+        return delivery.offset
 
     async def read(
         self, offsets: OffsetRange, *, fail_on_data_loss: bool = True

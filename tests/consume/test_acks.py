@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import struct
 from types import SimpleNamespace
 
 import pytest
@@ -193,16 +194,33 @@ class TestAckTracker:
 class _YieldingChannel:
     """An aiormq channel stand-in with the broker's rules for one channel.
 
-    Every write yields to the loop (as a real frame write may), so concurrent
-    settles interleave; a frame naming a tag that is not outstanding raises,
-    as the broker would close the channel with PRECONDITION_FAILED.
+    Every awaited write yields to the loop (as a real frame write may), so
+    concurrent settles interleave; a frame naming a tag that is not
+    outstanding raises, as the broker would close the channel with
+    PRECONDITION_FAILED. Frames queued by `write_now` (any channel's of the same
+    `_Link`) reach their channel's broker at once, in order, as one write.
     """
 
-    def __init__(self, broker: _Broker, rng: random.Random) -> None:
+    def __init__(
+        self, broker: _Broker, rng: random.Random, link: _Link | None = None, number: int = 1
+    ) -> None:
         self.broker = broker
         self.rng = rng
+        self.link = link if link is not None else _Link(rng)
+        self.link.channels[number] = self
+        self.number = number
+        self.link_key = id(self.link)
         self.is_closed = False
         self.errors: list[str] = []
+
+    def ack_frame(self, tag: int, *, multiple: bool) -> bytes:
+        return _ACK.pack(self.number, tag, multiple)
+
+    def has_room(self) -> bool:
+        return self.link.has_room()
+
+    def write_now(self, frames: bytes) -> None:
+        self.link.write(frames)
 
     async def _yield(self) -> None:
         for _ in range(self.rng.randrange(3)):
@@ -227,12 +245,46 @@ class _YieldingChannel:
             raise
 
 
-def _session(channel: _YieldingChannel, batch_size: int) -> Session:
-    settings = ConsumerSettings(ack_batch_size=batch_size, ack_flush_interval=0.001)
+_ACK = struct.Struct(">HQ?")
+"""The stand-in's ack frame: channel, tag, multiple."""
+
+
+class _Link:
+    """One connection's write queue, as `_YieldingChannel.write_now` sees it: now and
+    then full (the flusher must wait), every write counted."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.channels: dict[int, _YieldingChannel] = {}
+        self.writes: list[int] = []
+        """Frames per batched write."""
+
+    def has_room(self) -> bool:
+        return self.rng.random() < 0.8
+
+    def write(self, frames: bytes) -> None:
+        self.writes.append(len(frames) // _ACK.size)
+        for number, tag, multiple in _ACK.iter_unpack(frames):
+            channel = self.channels[number]
+            try:
+                channel.broker.ack(tag, multiple=multiple)
+            except AssertionError as exc:
+                channel.errors.append(str(exc))
+                raise
+
+
+def _session(
+    channel: _YieldingChannel, batch_size: int, shared: Shared | None = None, prefetch: int = 200
+) -> Session:
+    if shared is None:
+        settings = ConsumerSettings(
+            ack_batch_size=batch_size, ack_flush_interval=0.001, prefetch=prefetch
+        )
+        shared = Shared(settings)
     route = SimpleNamespace(
         metrics=Metrics.on(CollectorRegistry()).for_queue("q"), dedup=None, queue="q"
     )
-    return Session(Shared(settings), route, channel)  # type: ignore[arg-type]
+    return Session(shared, route, channel)  # type: ignore[arg-type]
 
 
 class TestSessionFrameOrder:
@@ -274,3 +326,91 @@ class TestSessionFrameOrder:
         assert not broker.outstanding
         assert set(broker.acked) == acks
         assert set(broker.nacked) == nacks
+
+
+class TestOneFlusherForManyChannels:
+    """Batched acks of many channels leave on one timer, one write per tick."""
+
+    @pytest.mark.parametrize("seed", range(10))
+    async def test_each_tag_settled_once_per_channel(self, seed: int) -> None:
+        """Random settles on 30 channels of one link: no frame names a settled tag or
+        another channel's tag, every tag is settled once, writes carry many channels."""
+        rng = random.Random(seed)
+        settings = ConsumerSettings(ack_batch_size=8, ack_flush_interval=0.002)
+        shared = Shared(settings)
+        link = _Link(rng)
+        channels = [_YieldingChannel(_Broker(), rng, link, number) for number in range(1, 31)]
+        sessions = [_session(channel, 8, shared) for channel in channels]
+        expected: list[tuple[set[int], set[int]]] = [(set(), set()) for _ in channels]
+
+        async def handle(index: int, tag: int) -> None:
+            session, (acks, nacks) = sessions[index], expected[index]
+            await asyncio.sleep(rng.random() * 0.01)
+            roll = rng.random()
+            if roll < 0.8:
+                acks.add(tag)
+                await session.ack(tag)
+            elif roll < 0.9:
+                acks.add(tag)
+                await session.ack_now(tag)
+            else:
+                nacks.add(tag)
+                await session.nack(tag, requeue=False)
+
+        tasks = []
+        for _ in range(1500):
+            index = rng.randrange(len(channels))
+            tag = channels[index].broker.deliver()
+            sessions[index].tracker.delivered(tag)
+            tasks.append(asyncio.create_task(handle(index, tag)))
+            if rng.random() < 0.2:
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        async with asyncio.timeout(5):  # the timer alone settles what is left
+            while any(channel.broker.outstanding for channel in channels):
+                await asyncio.sleep(0.002)
+        for channel, session, (acks, nacks) in zip(channels, sessions, expected, strict=True):
+            assert channel.errors == []
+            assert session.alive
+            assert sorted(channel.broker.acked) == sorted(acks)
+            assert sorted(channel.broker.nacked) == sorted(nacks)
+        assert max(link.writes) > 1, link.writes  # frames of several channels in one write
+        shared.acks.close()
+
+    async def test_ack_waits_at_most_the_interval(self) -> None:
+        """One ack on each of 200 channels: all written within ack_flush_interval
+        (plus slack), in one write."""
+        rng = random.Random(1)
+        settings = ConsumerSettings(ack_batch_size=50, ack_flush_interval=0.05)
+        shared = Shared(settings)
+        link = _Link(random.Random(0))
+        link.has_room = lambda: True  # type: ignore[method-assign]
+        channels = [_YieldingChannel(_Broker(), rng, link, number) for number in range(1, 201)]
+        sessions = [_session(channel, 50, shared) for channel in channels]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for channel, session in zip(channels, sessions, strict=True):
+            tag = channel.broker.deliver()
+            session.tracker.delivered(tag)
+            await session.ack(tag)
+        assert link.writes == []
+        while any(channel.broker.outstanding for channel in channels):
+            await asyncio.sleep(0.005)
+            assert loop.time() - started < 0.5  # the interval, and slack for a loaded machine
+        assert link.writes == [200]
+        assert all(session.metrics.ack_frames == 1 for session in sessions)
+
+    async def test_small_prefetch_flushes_at_half(self) -> None:
+        """With prefetch 10 below ack_batch_size 50, five finished deliveries are
+        acked at once, not on the timer (the broker would stop at ten unacked)."""
+        rng = random.Random(2)
+        channel = _YieldingChannel(_Broker(), rng)
+        channel.link.has_room = lambda: True  # type: ignore[method-assign]
+        session = _session(channel, 50, prefetch=10)
+        session.shared.acks.interval = 10.0
+        for _ in range(5):
+            tag = channel.broker.deliver()
+            session.tracker.delivered(tag)
+            await session.ack(tag)
+        assert channel.broker.acked == [1, 2, 3, 4, 5]
+        assert channel.link.writes == [1]

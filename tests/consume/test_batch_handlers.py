@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from reliable_mq import BatchFailed, InvalidSettings
 from reliable_mq._consume.batches import Batcher, _Batch, cause_of, check_batch
 from reliable_mq._consume.settle import Outcome
+from reliable_mq._tracing import Tracing
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.dedup import MemoryDedupStore
 from reliable_mq.delivery import Delivery
@@ -305,7 +306,11 @@ def _live_batcher(
     route = _Route(router.handlers[0], handler)
     settings = ConsumerSettings(handler_timeout=handler_timeout)
     shared = SimpleNamespace(
-        settings=settings, broker_cut=None, stopping=False, consumer_timeout=None
+        settings=settings,
+        broker_cut=None,
+        stopping=False,
+        consumer_timeout=None,
+        tracing=Tracing(None),
     )
     return Batcher(route, shared), route  # type: ignore[arg-type]
 
@@ -570,7 +575,8 @@ class TestBatches:
 
     async def test_each_delivery_of_a_batch_gets_its_process_span(self, env: Env) -> None:
         """Tracing: a process span per delivery, one ack span for the batch's frame; the
-        handler runs inside the process span of the batch's first delivery."""
+        handler runs inside the batch's own process span (`tests/test_tracing_consume.py`
+        has its links), not inside the first delivery's."""
         spans = Spans()
         await _declare(env)
         await env.publish([b"x"] * 5)
@@ -592,9 +598,10 @@ class TestBatches:
             await wait_until(lambda: len(spans.named("ack ")) == 1, what="the ack span")
         finally:
             await consumer.stop()
-        processes = spans.named("process ")
+        found = spans.named("process ")
+        [batch] = [p for p in found if "messaging.batch.message_count" in (p.attributes or {})]
+        processes = [p for p in found if p is not batch]
         assert len(processes) == 5
-        first = min(processes, key=lambda p: (p.attributes or {})["messaging.message.id"])
-        assert current == [ids_of(first)[1]]
+        assert current == [ids_of(batch)[1]]
         [ack] = spans.named("ack ")
         assert (ack.attributes or {})["messaging.batch.message_count"] == 5

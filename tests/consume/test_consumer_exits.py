@@ -260,3 +260,61 @@ class TestExitWithOthersInFlight:
             m.message_id: m.headers.get("x-reliable-mq-attempt") for m in await drain(env.queue)
         }
         assert left == {"exit": 2, "long": None}
+
+
+_SILENT_BROKER_SCRIPT = """
+import asyncio, sys
+from pydantic import SecretStr
+from reliable_mq import ConnectionSettings
+from reliable_mq.consumer import ReliableConsumer
+
+consumer = ReliableConsumer(ConnectionSettings(url=SecretStr(sys.argv[1])))
+
+@consumer.handler("never-consumed")
+async def handler(body: bytes) -> None: ...
+
+asyncio.run(consumer.run())
+print("exited cleanly")
+"""
+
+
+class TestSignalWhileStarting:
+    @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+    async def test_a_signal_during_start_stops_cleanly(
+        self, tmp_path: Path, sig: signal.Signals
+    ) -> None:
+        """``run()`` listens for signals before it starts: a Ctrl-C (or SIGTERM) while it
+        is still connecting (here to a server that accepts and never answers) ends the
+        start and ``run()`` returns, exit code 0; it used to be a KeyboardInterrupt
+        traceback (SIGINT) or a kill (SIGTERM) when the signal came before consuming."""
+        accepted = asyncio.Event()
+        held: list[asyncio.StreamWriter] = []
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            held.append(writer)
+            accepted.set()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        script = tmp_path / "consume.py"
+        script.write_text(_SILENT_BROKER_SCRIPT)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(script),
+            f"amqp://guest:guest@127.0.0.1:{port}/",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            await asyncio.wait_for(accepted.wait(), RUN_TIMEOUT)
+            await asyncio.sleep(0.3)  # it is waiting for the broker's answer now
+            process.send_signal(sig)
+            stdout, stderr = await asyncio.wait_for(process.communicate(), RUN_TIMEOUT)
+        finally:
+            if process.returncode is None:
+                process.kill()
+            for writer in held:
+                writer.close()
+            server.close()
+        assert process.returncode == 0, stderr.decode()[-2000:]
+        assert b"exited cleanly" in stdout

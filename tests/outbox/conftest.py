@@ -1,7 +1,8 @@
-"""One private PostgreSQL server per test module (own port and data directory).
+"""One private PostgreSQL server for the outbox tests (own port and data directory).
 
-Tests give every table a unique name, so a module's tests share its server;
-the shared server on 5432 is never used here.
+Tests give every table a unique name, so they share one server, started once
+per run (it was once per module: seven starts); the shared server on 5432 is
+never used here. No test here stops or kills it (the outage tests cut a proxy).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import pytest
 from tests.support.private_postgres import PrivatePostgres, running_private_postgres
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pg() -> Iterator[PrivatePostgres]:
-    """A private PostgreSQL server for this module."""
+    """The outbox tests' private PostgreSQL server."""
     with running_private_postgres() as server:
         yield server
 

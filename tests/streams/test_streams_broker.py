@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from reliable_mq import ConsumerError, Delivery, Message, ReliableConsumer, ReliablePublisher
+from reliable_mq._amqp import Channel, Link
 from reliable_mq.streams import (
     NotAStream,
     OffsetRange,
@@ -25,6 +26,12 @@ from reliable_mq.streams import (
     StreamSpec,
     declare_stream,
     split_range,
+)
+from reliable_mq.streams._declare import (
+    _declared_as_stream,
+    _Verdict,
+    is_stream,
+    stream_connection,
 )
 from reliable_mq.topology import declare_stream as declare_stream_from_topology
 
@@ -192,6 +199,20 @@ class TestRead:
             assert await reader.resolve(past) == 0
             assert await reader.resolve(future) == 50
 
+    async def test_a_slow_first_delivery_is_not_taken_for_an_empty_stream(
+        self, broker_url: str, make_stream: MakeStream
+    ) -> None:
+        """A broker slower than ``first_wait`` (here 1 ms, so the first delivery is
+        always late) must not make the head the tail: a read from ``earliest`` would
+        skip the stream. The head is the first offset held, or 0 when nothing answers,
+        never past it. (A CI run under load saw the head answer the tail.)"""
+        name = await make_stream()
+        await publish(broker_url, name, 50)
+        async with StreamReader(broker_url, name, first_wait=0.001) as reader:
+            heads = {await reader.head() for _ in range(10)}
+            starts = {await reader.resolve(StartingPoint.EARLIEST) for _ in range(5)}
+        assert heads == {0} and starts == {0}
+
     async def test_a_range_past_the_tail_fails_instead_of_waiting_for_ever(
         self, broker_url: str, make_stream: MakeStream
     ) -> None:
@@ -300,3 +321,78 @@ class TestRefusesQueues:
         with pytest.raises(NotAStream, match="does not exist"):
             async with StreamReader(broker_url, f"missing-{uuid.uuid4().hex[:8]}"):
                 pass
+
+
+class _DeletesAfterFirstChannel:
+    """Opens channels on ``link``; before the second, deletes ``name`` (a deletion between
+    the probe's steps, made deterministic)."""
+
+    def __init__(self, link: Link, amqp: aio_pika.abc.AbstractChannel, name: str) -> None:
+        self._link, self._amqp, self._name = link, amqp, name
+        self.opened = 0
+
+    async def channel(self, *, timeout: float | None = None) -> Channel:
+        self.opened += 1
+        if self.opened == 2:
+            await self._amqp.queue_delete(self._name)
+        return await self._link.channel(timeout=timeout)
+
+
+class TestProbeCreatesNothing:
+    @pytest.mark.parametrize("kind", ["stream", "classic"])
+    async def test_a_queue_deleted_between_the_steps_is_missing_and_stays_gone(
+        self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, kind: str
+    ) -> None:
+        """The queue exists at the passive declare and is gone at the redeclare: the probe
+        says it does not exist and creates no stray stream."""
+        name = f"test-probe-{uuid.uuid4().hex[:10]}"
+        if kind == "stream":
+            await declare_stream(broker_url, name)
+        else:
+            await amqp.declare_queue(name, durable=True)
+        try:
+            async with stream_connection(broker_url) as link:
+                opener = _DeletesAfterFirstChannel(link, amqp, name)
+                assert await is_stream(opener, name) is None
+                assert opener.opened == 2
+            assert await exists(broker_url, name) is False
+        finally:
+            await amqp.queue_delete(name)
+
+    async def test_the_redeclare_step_alone_creates_nothing(self, broker_url: str) -> None:
+        """The redeclare on a name that is nothing is refused by the broker's creating path."""
+        name = f"test-probe-{uuid.uuid4().hex[:10]}"
+        async with stream_connection(broker_url) as link:
+            assert await _declared_as_stream(link, name) is _Verdict.MISSING
+        assert await exists(broker_url, name) is False
+
+    async def test_queues_and_streams_with_flags_and_ttl_are_told_apart(
+        self, broker_url: str, make_stream: MakeStream, amqp: aio_pika.abc.AbstractChannel
+    ) -> None:
+        """A classic queue with its own x-expires, a transient auto-delete one and a stream
+        with retention all get their verdict from the redeclare (no fallback)."""
+        stream = await make_stream(max_age="1D", max_segment_size_bytes=1_000_000)
+        ttl = f"test-q-{uuid.uuid4().hex[:10]}"
+        transient = f"test-q-{uuid.uuid4().hex[:10]}"
+        await amqp.declare_queue(ttl, durable=True, arguments={"x-expires": 600_000})
+        await amqp.declare_queue(transient, durable=False, auto_delete=True)
+        try:
+            async with stream_connection(broker_url) as link:
+                assert await _declared_as_stream(link, stream) is _Verdict.STREAM
+                assert await _declared_as_stream(link, ttl) is _Verdict.QUEUE
+                assert await _declared_as_stream(link, transient) is _Verdict.QUEUE
+        finally:
+            await amqp.queue_delete(ttl)
+            await amqp.queue_delete(transient)
+
+
+async def exists(url: str, name: str) -> bool:
+    """Whether queue ``name`` exists (a passive declare on a connection of its own)."""
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(name, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return False
+    return True
