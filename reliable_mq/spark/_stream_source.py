@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 
 from .._sync import run_sync
@@ -316,7 +317,7 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ranges.extend(self.spec.split(OffsetRange(name, start.get(name, stop), stop)))
         return [StreamPartition(offsets) for offsets in ranges]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...] | pa.RecordBatch]:
         """The rows of one range (in a task), as the batch source reads them."""
         assert isinstance(partition, StreamPartition)
         offsets = partition.offsets
