@@ -233,7 +233,9 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._known: Offsets = {}
         """The highest end handed to Spark (PySpark 4.1 passes no start)."""
         self._seen: Offsets = {}
-        """The highest tail the broker reported to `latestOffset`: offsets below it exist."""
+        """The highest tail the broker reported: offsets below it exist."""
+        self._heads: dict[str, int | None] = {}
+        """The heads `prepareForTriggerAvailableNow` found, for the first trigger's check."""
 
     def initialOffset(self) -> Offsets:
         """Each stream's ``startingOffsets`` as an offset (a new query only)."""
@@ -245,9 +247,16 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(limit) if limit is not None else ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
-        """``Trigger.AvailableNow``: take the tails now; later messages wait for the next run."""
-        positions = run_sync(lambda: _positions(self.spec, {}))
+        """``Trigger.AvailableNow``: take the tails now; later messages wait for the next run.
+
+        The heads come too: the first trigger checks its start against them
+        (data loss) and plans without asking again (`_from_seen`).
+        """
+        every = dict.fromkeys(self.spec.streams, 0)
+        positions = run_sync(lambda: _positions(self.spec, every))
         self._target = {name: position.tail for name, position in positions.items()}
+        self._seen = dict(self._target)
+        self._heads = {name: position.head for name, position in positions.items()}
 
     def latestOffset(self, start: Offsets | None = None, limit: ReadLimit | None = None) -> Offsets:
         """The end of the next micro-batch: the tails, within ``limit``.
@@ -291,7 +300,8 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _from_seen(self, begin: Offsets, budget: int | None) -> Offsets | None:
         """The next end without asking the broker, when the tails it reported
         before are enough: a read limit they fill, or ``Trigger.AvailableNow``'s
-        target reached. None: ask (a first trigger always asks).
+        target reached. None: ask (a first trigger asks, unless
+        `prepareForTriggerAvailableNow` just did, heads included).
 
         Spark then plans from offsets known to exist; retention since the last
         answer is found by the tasks, which raise `StreamDataLoss` (or log the
@@ -303,14 +313,21 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
         until = dict(self._seen)
         if self._target is not None:
             until = {s: min(tail, self._target.get(s, tail)) for s, tail in until.items()}
-        available = {s: max(0, until[s] - begin[s]) for s in self.spec.streams}
-        if budget is None:
-            if self._target is None or any(self._seen[s] < self._target.get(s, 0) for s in until):
-                return None  # all there is: only the broker knows
-        elif sum(available.values()) < budget:
+        reached = self._target is not None and all(
+            self._seen[s] >= self._target.get(s, 0) for s in until
+        )
+        if budget is None and not reached:
+            return None  # all there is: only the broker knows
+        heads, self._heads = self._heads, {}
+        firsts = {
+            s: self._first(s, begin[s], _Position(heads.get(s), self._seen[s]))
+            for s in self.spec.streams
+        }
+        available = {s: max(0, until[s] - firsts[s]) for s in self.spec.streams}
+        if budget is not None and sum(available.values()) < budget:
             return None  # the limit may take more than is known
         taken = share(available, budget)
-        return {s: begin[s] + taken[s] for s in self.spec.streams}
+        return {s: max(begin[s], firsts[s] + taken[s]) for s in self.spec.streams}
 
     def _tails(self) -> Offsets:
         """PySpark 4.1's ``latestOffset()``: the tails, never before an end handed out.
