@@ -16,9 +16,10 @@ in an order that rotates from round to round:
   into ``--triggers`` micro-batches.
 
 The figures are the medians over ``--rounds``, and each one's ratio to pika.
-The streaming reads also give the driver's time per trigger (Spark's
-``durationMs``: ``latestOffset``, the source's planning; ``addBatch``, the
-tasks) as medians over their triggers. Spark's JVM is warmed up by one batch
+The streaming reads also give their rate over their triggers only (Spark's
+``triggerExecution``, without the query's start) and the time per trigger
+(Spark's ``durationMs``: ``latestOffset``, the source's planning on the
+driver; ``addBatch``, the tasks), medians over their triggers. Spark's JVM is warmed up by one batch
 read first, not counted. Run it from the repository's root::
 
     PYTHONPATH=$PWD .venv/bin/python bench/stream_read.py --messages 100000 --json out.json
@@ -48,6 +49,8 @@ from stream_source_crash import URL, _delete, _pika_drain, _publish
 import reliable_mq
 from reliable_mq.spark import register_data_source
 from reliable_mq.streams import OffsetRange, StreamReader
+
+_NOT_MS = ("triggers", "rows_per_s_over_triggers")
 
 
 def _reader(url: str, stream: str, count: int) -> float:
@@ -105,6 +108,9 @@ def _spark_stream(
     rows = sum(int(p["numInputRows"]) for p in batches)
     if rows != count:
         raise SystemExit(f"the streaming query read {rows} of {count}")
+    sink.setdefault("rows_per_s_over_triggers", []).append(
+        rows * 1000 / sum(p["durationMs"]["triggerExecution"] for p in batches)
+    )
     for phase in ("latestOffset", "queryPlanning", "addBatch", "triggerExecution"):
         sink.setdefault(phase, []).extend(p["durationMs"].get(phase, 0) for p in batches)
     sink.setdefault("triggers", []).append(len(batches))
@@ -179,8 +185,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for name in runs
         },
         "per_trigger_ms": {
-            run: {k: statistics.median(v) for k, v in found.items() if k != "triggers"}
+            run: {k: statistics.median(v) for k, v in found.items() if k not in _NOT_MS}
             | {"triggers": found.get("triggers", [])[:1]}
+            for run, found in phases.items()
+        },
+        "rows_per_s_over_triggers": {
+            run: round(statistics.median(found["rows_per_s_over_triggers"]))
             for run, found in phases.items()
         },
         "all_rows_per_s": {name: [round(v) for v in values] for name, values in rates.items()},
