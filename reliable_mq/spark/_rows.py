@@ -33,6 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import (
     BinaryType,
     DataType,
@@ -75,6 +77,9 @@ READ_SCHEMA = StructType(
     [*METADATA_FIELDS[:2], StructField("body", BinaryType(), False), *METADATA_FIELDS[2:]]
 )
 """The rows of a stream read with ``bodyFormat`` ``binary``: header and property values as text."""
+
+READ_ARROW_SCHEMA = to_arrow_schema(READ_SCHEMA, timezone="UTC")
+"""`READ_SCHEMA` as Spark expects it of a ``pyarrow.RecordBatch`` from ``read()``."""
 
 BODY_OPTIONS = ("bodyformat", "bodyschema", "mode", "columnnameofcorruptrecord")
 """The options `RowFormat.from_options` reads (lower case)."""
@@ -223,6 +228,38 @@ class RowFormat:
         if self.mode is BadRows.PERMISSIVE:
             return (*head, value, *tail, None)
         return (*head, value, *tail)
+
+    @property
+    def columnar(self) -> bool:
+        """Whether `batch` builds the rows (``binary``): JSON bodies go row by row (`row`)."""
+        return self.body is BodyFormat.BINARY
+
+    def batch(self, records: list[StreamRecord]) -> pa.RecordBatch:
+        """The rows of ``records`` (``binary`` only) as one Arrow batch of `READ_SCHEMA`.
+
+        Spark takes it as it is, without checking and converting each value of
+        each row as it does tuples: the values are the ones `row` gives (a
+        naive timestamp is read in the local zone, as Spark reads it).
+        """
+        utc = dt.UTC
+        columns: list[list[Any]] = [[] for _ in range(9)]
+        stream, offset, body, message_id, routing_key, exchange, headers, properties, stamp = (
+            column.append for column in columns
+        )
+        for record in records:
+            stream(record.stream)
+            offset(record.offset)
+            body(record.body)
+            message_id(record.message_id)
+            routing_key(record.routing_key)
+            exchange(record.exchange)
+            headers({str(k): _text(v) for k, v in record.headers.items()} if record.headers else {})
+            properties({k: _text(v) for k, v in record.properties.items()})
+            stamp(None if record.timestamp is None else record.timestamp.astimezone(utc))
+        return pa.RecordBatch.from_arrays(
+            [pa.array(c, type=f.type) for c, f in zip(columns, READ_ARROW_SCHEMA, strict=True)],
+            schema=READ_ARROW_SCHEMA,
+        )
 
     @functools.cached_property
     def _convert(self) -> Convert:

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 
 from .._sync import run_sync
@@ -173,10 +174,14 @@ class _Position:
 
 
 async def _position(spec: StreamSourceSpec, stream: str, start: int | None) -> _Position:
+    """A stream's tail and, when ``start`` is given, its head: asked at once (the
+    tail waits for its last chunk to pause); the head is kept only when ``start``
+    is before the tail."""
     async with StreamReader(spec.reads[0].settings(), stream) as reader:
-        tail = await reader.tail()
-        head = await reader.head() if start is not None and start < tail else None
-    return _Position(head, tail)
+        if start is None:
+            return _Position(None, await reader.tail())
+        tail, head = await asyncio.gather(reader.tail(), reader.head())
+    return _Position(head if start < tail else None, tail)
 
 
 async def _positions(spec: StreamSourceSpec, start: Offsets) -> dict[str, _Position]:
@@ -227,6 +232,10 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """The tails when ``Trigger.AvailableNow`` began: never read past them."""
         self._known: Offsets = {}
         """The highest end handed to Spark (PySpark 4.1 passes no start)."""
+        self._seen: Offsets = {}
+        """The highest tail the broker reported: offsets below it exist."""
+        self._heads: dict[str, int | None] = {}
+        """The heads `prepareForTriggerAvailableNow` found, for the first trigger's check."""
 
     def initialOffset(self) -> Offsets:
         """Each stream's ``startingOffsets`` as an offset (a new query only)."""
@@ -238,9 +247,16 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(limit) if limit is not None else ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
-        """``Trigger.AvailableNow``: take the tails now; later messages wait for the next run."""
-        positions = run_sync(lambda: _positions(self.spec, {}))
+        """``Trigger.AvailableNow``: take the tails now; later messages wait for the next run.
+
+        The heads come too: the first trigger checks its start against them
+        (data loss) and plans without asking again (`_from_seen`).
+        """
+        every = dict.fromkeys(self.spec.streams, 0)
+        positions = run_sync(lambda: _positions(self.spec, every))
         self._target = {name: position.tail for name, position in positions.items()}
+        self._seen = dict(self._target)
+        self._heads = {name: position.head for name, position in positions.items()}
 
     def latestOffset(self, start: Offsets | None = None, limit: ReadLimit | None = None) -> Offsets:
         """The end of the next micro-batch: the tails, within ``limit``.
@@ -258,11 +274,16 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if start is None:
             return self._tails()
         begin = dict(start)
+        budget = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        known = self._from_seen(begin, budget)
+        if known is not None:
+            return known
         missing = tuple(s for s in self.spec.streams if s not in begin)
         if missing:  # a stream added to the option: it starts at startingOffsets
             begin.update(run_sync(lambda: _starting(self.spec, missing)))
         positions = run_sync(lambda: _positions(self.spec, begin))
-        budget = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        for name, position in positions.items():
+            self._seen[name] = max(self._seen.get(name, 0), position.tail)
         firsts = {name: self._first(name, begin[name], positions[name]) for name in positions}
         available: dict[str, int] = {}
         for name, position in positions.items():
@@ -275,6 +296,38 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
             available[name] = max(0, until - firsts[name])
         taken = share(available, budget)
         return {name: max(begin[name], firsts[name] + taken[name]) for name in positions}
+
+    def _from_seen(self, begin: Offsets, budget: int | None) -> Offsets | None:
+        """The next end without asking the broker, when the tails it reported
+        before are enough: a read limit they fill, or ``Trigger.AvailableNow``'s
+        target reached. None: ask (a first trigger asks, unless
+        `prepareForTriggerAvailableNow` just did, heads included).
+
+        Spark then plans from offsets known to exist; retention since the last
+        answer is found by the tasks, which raise `StreamDataLoss` (or log the
+        gap) as the planner would (`StreamReader.read`). This saves the planner
+        a connection, the tail's pause and the head per stream per trigger.
+        """
+        if not self._seen or any(s not in begin or s not in self._seen for s in self.spec.streams):
+            return None
+        until = dict(self._seen)
+        if self._target is not None:
+            until = {s: min(tail, self._target.get(s, tail)) for s, tail in until.items()}
+        reached = self._target is not None and all(
+            self._seen[s] >= self._target.get(s, 0) for s in until
+        )
+        if budget is None and not reached:
+            return None  # all there is: only the broker knows
+        heads, self._heads = self._heads, {}
+        firsts = {
+            s: self._first(s, begin[s], _Position(heads.get(s), self._seen[s]))
+            for s in self.spec.streams
+        }
+        available = {s: max(0, until[s] - firsts[s]) for s in self.spec.streams}
+        if budget is not None and sum(available.values()) < budget:
+            return None  # the limit may take more than is known
+        taken = share(available, budget)
+        return {s: max(begin[s], firsts[s] + taken[s]) for s in self.spec.streams}
 
     def _tails(self) -> Offsets:
         """PySpark 4.1's ``latestOffset()``: the tails, never before an end handed out.
@@ -316,7 +369,7 @@ class RabbitMQStreamSource(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ranges.extend(self.spec.split(OffsetRange(name, start.get(name, stop), stop)))
         return [StreamPartition(offsets) for offsets in ranges]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...] | pa.RecordBatch]:
         """The rows of one range (in a task), as the batch source reads them."""
         assert isinstance(partition, StreamPartition)
         offsets = partition.offsets

@@ -101,19 +101,23 @@ class _Delivery:
 
 def _record(stream: str, delivery: _Delivery) -> StreamRecord:
     props = delivery.properties
-    headers = dict(props.headers or {})
+    headers = dict(props.headers or ())
     headers.pop(OFFSET_HEADER, None)
-    others = {name: getattr(props, name) for name in _PROPERTIES}
+    properties = {}
+    for name in _PROPERTIES:
+        value = getattr(props, name)
+        if value is not None:
+            properties[name] = value
     return StreamRecord(
-        stream=stream,
-        offset=delivery.offset,
-        body=delivery.body,
-        message_id=props.message_id,
-        routing_key=delivery.deliver.routing_key or "",
-        exchange=delivery.deliver.exchange or "",
-        headers=headers,
-        properties={k: v for k, v in others.items() if v is not None},
-        timestamp=props.timestamp,
+        stream,
+        delivery.offset,
+        delivery.body,
+        props.message_id,
+        delivery.deliver.routing_key or "",
+        delivery.deliver.exchange or "",
+        headers,
+        properties,
+        props.timestamp,
     )
 
 
@@ -159,11 +163,14 @@ class _Subscription:
 
     async def next(self, timeout: float) -> _Delivery | None:
         """The next delivery; None if none came within ``timeout`` seconds."""
-        try:
-            async with asyncio.timeout(timeout):
-                item = await self._queue.get()
-        except TimeoutError:
-            return None
+        if self._queue.empty():
+            try:
+                async with asyncio.timeout(timeout):
+                    item = await self._queue.get()
+            except TimeoutError:
+                return None
+        else:  # already queued: no timer to arm (the hot path of a range read)
+            item = self._queue.get_nowait()
         if isinstance(item, BaseException):
             raise item
         return item

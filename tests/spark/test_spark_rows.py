@@ -111,3 +111,42 @@ class TestRows:
         fields.append(StructField("_corrupt_body", StringType(), True))
         with pytest.raises(InvalidSettings, match="must be nullable"):
             RowFormat.from_options({"bodyformat": "json"}, StructType(fields))
+
+
+class TestArrowBatch:
+    def test_a_batch_is_what_spark_makes_of_the_rows(self) -> None:
+        """`RowFormat.batch` gives the Arrow batch Spark builds from `RowFormat.row`'s
+        tuples (its own converter), value for value: headers of any type as text, a
+        naive and an aware timestamp, unset properties left out."""
+        from pyspark.sql.worker.plan_data_source_read import (
+            records_to_arrow_batches,
+        )
+
+        stamp = dt.datetime(2026, 1, 2, 3, 4, 5)
+        records = [
+            StreamRecord("events", 0, b"\xff raw", None, "", "amq.topic"),
+            StreamRecord(
+                "events",
+                3,
+                b"{}",
+                "m-3",
+                "rk",
+                "",
+                {"n": 1, "b": b"\xc3\xa9", "t": stamp, "none": None, "d": decimal.Decimal("1.5")},
+                {"content_type": "application/json", "priority": 5},
+                stamp,
+            ),
+            StreamRecord("events", 4, b"", "m-4", "rk", "", {}, {}, stamp.replace(tzinfo=dt.UTC)),
+        ]
+        rows = RowFormat()
+        ours = rows.batch(records)
+        spark = next(
+            iter(records_to_arrow_batches(iter(map(rows.row, records)), 100, rows.schema(), None))
+        )
+        assert ours.schema.equals(spark.schema)
+        assert ours.to_pylist() == spark.to_pylist()
+        assert ours.num_rows == 3 and ours.column("headers")[1].as_py()[0] == ("n", "1")
+        assert (
+            rows.columnar
+            and not RowFormat.from_options({"bodyformat": "json", "bodyschema": "id INT"}).columnar
+        )

@@ -337,3 +337,31 @@ class TestOptions:
         assert added == {a: 10, b: 0}
         ranges = RabbitMQStreamSource(both).partitions({a: 2}, added)
         assert [p.offsets for p in ranges] == [OffsetRange(a, 2, 10)]
+
+    def test_a_limit_the_known_tail_fills_asks_no_broker(
+        self, broker_url: str, make_stream: MakeStream
+    ) -> None:
+        """Under maxRecordsPerTrigger, a trigger the tail reported before can fill is
+        planned without the broker (no connection, no wait for the tail): after the
+        stream is deleted, the next batch is still planned; the one past the known
+        tail asks, and fails."""
+        import aio_pika
+
+        from reliable_mq.errors import NotAStream
+
+        a = make_stream()
+        publish(broker_url, a, 0, 10)
+        spec = StreamSourceSpec.from_options(
+            {"url": broker_url, "stream": a, "maxRecordsPerTrigger": "4"}
+        )
+        source = RabbitMQStreamSource(spec)
+        assert source.latestOffset({a: 0}, ReadMaxRows(4)) == {a: 4}
+
+        async def delete() -> None:
+            async with await aio_pika.connect(broker_url) as connection:
+                await (await connection.channel()).queue_delete(a)
+
+        run_sync(delete)
+        assert source.latestOffset({a: 4}, ReadMaxRows(4)) == {a: 8}
+        with pytest.raises(NotAStream):
+            source.latestOffset({a: 8}, ReadMaxRows(4))
