@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from .core import (
     _GETTER,
     TRACEPARENT,
+    _attributes,
     _failed,
     _guarded,
     _nothing,
     _propagate,
-    _server,
     consume_destination,
     otel_context,
     trace,
@@ -62,21 +62,17 @@ def start_process(
     linked, as the conventions ask; a span current here is linked too).
     """
     destination = consume_destination(exchange, routing_key, queue)
-    attributes: dict[str, Any] = {
-        "messaging.system": "rabbitmq",
-        "messaging.operation.type": "process",
-        "messaging.operation.name": "process",
-        "messaging.destination.name": destination,
-        "messaging.rabbitmq.message.delivery_tag": delivery_tag,
-        "reliable_mq.attempt": attempt,
-    }
-    if routing_key:
-        attributes["messaging.rabbitmq.destination.routing_key"] = routing_key
-    if message_id:
-        attributes["messaging.message.id"] = message_id
-    if correlation_id and isinstance(correlation_id, str):
-        attributes["messaging.message.conversation_id"] = correlation_id
-    _server(url, attributes)
+    attributes = _attributes(
+        "process",
+        "process",
+        destination,
+        url,
+        routing_key=routing_key,
+        message_id=message_id,
+        correlation_id=correlation_id,
+    )
+    attributes["messaging.rabbitmq.message.delivery_tag"] = delivery_tag
+    attributes["reliable_mq.attempt"] = attempt
     links = None
     parent = otel_context.Context()  # a root: the context current here is the consumer's
     if TRACEPARENT in headers:
@@ -107,21 +103,16 @@ def start_batch_process(
     each delivery in the batch (at most `MAX_SETTLE_LINKS`; each of those is linked
     to its producer). Current while the handler runs: the handler's own spans are
     its children, never one delivery's."""
-    attributes: dict[str, Any] = {
-        "messaging.system": "rabbitmq",
-        "messaging.operation.type": "process",
-        "messaging.operation.name": "process",
-        "messaging.destination.name": queue or "amq.default",
-        "messaging.batch.message_count": len(processes),
-    }
-    _server(url, attributes)
+    destination = queue or "amq.default"
+    attributes = _attributes("process", "process", destination, url)
+    attributes["messaging.batch.message_count"] = len(processes)
     links = [
         trace.Link(span.get_span_context())
         for span in processes[:MAX_SETTLE_LINKS]
         if span is not None
     ]
     return tracer.start_span(
-        f"process {attributes['messaging.destination.name']}",
+        f"process {destination}",
         context=otel_context.Context(),
         kind=trace.SpanKind.CONSUMER,
         attributes=attributes,
@@ -221,16 +212,10 @@ def settle_frame(
     settles = {t.settle for t in traces}
     destinations = {t.destination for t in traces}
     destination = first.destination if len(destinations) == 1 else first.queue
-    attributes: dict[str, Any] = {
-        "messaging.system": "rabbitmq",
-        "messaging.operation.type": "settle",
-        "messaging.operation.name": operation,
-        "messaging.destination.name": destination,
-        "messaging.rabbitmq.message.delivery_tag": frame_tag,
-    }
+    attributes = _attributes("settle", operation, destination, url)
+    attributes["messaging.rabbitmq.message.delivery_tag"] = frame_tag
     if len(settles) == 1:
         attributes["reliable_mq.settle"] = first.settle
-    _server(url, attributes)
     if batch:
         attributes["messaging.batch.message_count"] = count
         parent = otel_context.Context()  # a root: it belongs to no one delivery's trace

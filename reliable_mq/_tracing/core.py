@@ -162,6 +162,36 @@ def consume_destination(exchange: str, routing_key: str, queue: str) -> str:
     return ":".join(parts) or "amq.default"
 
 
+def _attributes(
+    operation_type: str,
+    operation: str,
+    destination: str | None,
+    url: URL | None,
+    *,
+    routing_key: str = "",
+    message_id: str | None = None,
+    correlation_id: Any = None,
+) -> dict[str, Any]:
+    """The conventions' attributes our spans share: system, operation, destination,
+    the broker (``server.*``), and the message's routing key, id and correlation id
+    when it has them."""
+    attributes: dict[str, Any] = {
+        "messaging.system": "rabbitmq",
+        "messaging.operation.type": operation_type,
+        "messaging.operation.name": operation,
+    }
+    if destination is not None:
+        attributes["messaging.destination.name"] = destination
+    if routing_key:
+        attributes["messaging.rabbitmq.destination.routing_key"] = routing_key
+    if message_id:
+        attributes["messaging.message.id"] = message_id
+    if correlation_id and isinstance(correlation_id, str):
+        attributes["messaging.message.conversation_id"] = correlation_id
+    _server(url, attributes)
+    return attributes
+
+
 def _server(url: URL | None, attributes: dict[str, Any]) -> None:
     if url is not None:
         if url.host:

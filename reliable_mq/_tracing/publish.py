@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 from .core import (
     TRACEPARENT,
     Tracing,
+    _attributes,
     _extracted,
     _failed,
     _guarded,
     _no_span,
     _nothing,
     _propagate,
-    _server,
     publish_destination,
     trace,
 )
@@ -54,19 +54,15 @@ def _producer_span(
     """Start a PRODUCER span ``{operation} {destination}`` (``publish``: a send;
     ``create``: a message's creation context) with the conventions' attributes."""
     destination = publish_destination(exchange, routing_key)
-    attributes: dict[str, Any] = {
-        "messaging.system": "rabbitmq",
-        "messaging.operation.type": "send" if operation == "publish" else operation,
-        "messaging.operation.name": operation,
-        "messaging.destination.name": destination,
-    }
-    if message_id:
-        attributes["messaging.message.id"] = message_id
-    if routing_key:
-        attributes["messaging.rabbitmq.destination.routing_key"] = routing_key
-    if correlation_id and isinstance(correlation_id, str):
-        attributes["messaging.message.conversation_id"] = correlation_id
-    _server(url, attributes)
+    attributes = _attributes(
+        "send" if operation == "publish" else operation,
+        operation,
+        destination,
+        url,
+        routing_key=routing_key,
+        message_id=message_id,
+        correlation_id=correlation_id,
+    )
     return tracer.start_span(
         f"{operation} {destination}", kind=trace.SpanKind.PRODUCER, attributes=attributes
     )
@@ -131,12 +127,7 @@ def start_batch(tracer: Any, url: URL | None, *, creation_context: bool) -> Any:
     Named ``publish`` until `batch_ended` knows whether every message went to one
     destination (then ``publish {destination}``).
     """
-    attributes: dict[str, Any] = {
-        "messaging.system": "rabbitmq",
-        "messaging.operation.type": "send",
-        "messaging.operation.name": "publish",
-    }
-    _server(url, attributes)
+    attributes = _attributes("send", "publish", None, url)
     kind = trace.SpanKind.PRODUCER if creation_context else trace.SpanKind.CLIENT
     return tracer.start_span("publish", kind=kind, attributes=attributes)
 
