@@ -427,6 +427,9 @@ async def main(args: argparse.Namespace) -> None:
     origin = _provenance.origin(reliable_mq, args.label)
     print(_provenance.describe(origin), flush=True)
     names = [name for name, (_, _, default) in MODES.items() if default or args.all]
+    if args.only:
+        keep = (AIO_AUTO, PIKA_AUTO, PIKA_BATCHED)  # the references every table shows
+        names = [n for n in MODES if n in keep or any(part in n for part in args.only)]
     samples: dict[str, list[Sample]] = {name: [] for name in names}
     skipped: dict[str, str] = {}
     load_before = os.getloadavg()
@@ -529,6 +532,12 @@ def cli() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians")
     parser.add_argument(
         "--all", action="store_true", help="also the reference and dedup-store rows"
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        help="only the modes whose name contains this text (repeat for more), "
+        "besides the aio-pika and pika references",
     )
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop (if installed)")
     parser.add_argument("--label", help="a name for this run in the JSON (default: the commit)")
