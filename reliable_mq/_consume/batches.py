@@ -84,17 +84,22 @@ def check_batch(spec: HandlerSpec, settings: ConsumerSettings) -> None:
 
 
 class _Batch:
-    """One batch: its deliveries in arrival order, and how the followers get their cause."""
+    """One batch: its deliveries in arrival order, and how the followers get their cause.
 
-    __slots__ = ("bodies", "full", "futures", "released", "session", "tickets")
+    A batch is either led by its first delivery's task (`Batcher.join`), or has a
+    task of its own that settles every delivery of it (``task``: `Batcher.add`).
+    """
+
+    __slots__ = ("bodies", "full", "futures", "released", "session", "task", "tickets")
 
     def __init__(self, session: Session) -> None:
         self.session = session
         self.tickets: list[Ticket] = []
         self.bodies: list[Any] = []
-        self.futures: list[asyncio.Future[Cause] | None] = []  # None: the leader's
+        self.futures: list[asyncio.Future[Cause] | None] = []  # None: the leader's, or added
         self.full = asyncio.Event()
         self.released = False
+        self.task: asyncio.Task[None] | None = None
 
 
 class Batcher:
@@ -122,44 +127,159 @@ class Batcher:
             self._open = None
         batch.full.set()
 
-    async def join(self, ticket: Ticket, body: Any) -> Cause:
-        """Add ``ticket``'s delivery to the open batch; its cause once the batch ran."""
+    def _opened(self, ticket: Ticket, added: bool) -> _Batch | None:
+        """The open batch ``ticket`` joins (None: it opens a new one). A batch never
+        mixes channels, nor deliveries with and without tasks of their own."""
         batch = self._open
-        lead = batch is None or batch.session is not ticket.session
-        if lead:
-            batch = self._open = _Batch(ticket.session)
-        assert batch is not None
+        if batch is None:
+            return None
+        if batch.session is ticket.session and (batch.task is not None) is added:
+            return batch
+        self._close(batch)  # it runs now with what it has
+        return None
+
+    def _enter(
+        self, batch: _Batch, ticket: Ticket, body: Any, future: asyncio.Future[Cause] | None
+    ) -> None:
         message_id = ticket.delivery.message_id
         if message_id:
             running = self.route.running
             running[message_id] = running.get(message_id, 0) + 1
         batch.tickets.append(ticket)
         batch.bodies.append(body)
-        future: asyncio.Future[Cause] | None = None
-        if not lead:
-            future = asyncio.get_running_loop().create_future()
         batch.futures.append(future)
         if len(batch.tickets) >= self.max_size:
             self._close(batch)
+
+    def add(self, ticket: Ticket, body: Any) -> None:
+        """Add a delivery that has no task of its own (see
+        `reliable_mq._consume.dispatch.Dispatcher._to_batch`) to the open batch. The
+        batch's task runs the handler and settles it (`_run_added`); it is the
+        ticket's task (what a dead channel or a shutdown cancels)."""
+        batch = self._opened(ticket, added=True)
+        if batch is None:
+            batch = self._open = _Batch(ticket.session)
+            batch.task = asyncio.get_running_loop().create_task(self._run_added(batch))
+        ticket.task = batch.task
+        self._enter(batch, ticket, body, None)
+
+    async def join(self, ticket: Ticket, body: Any) -> Cause:
+        """Add ``ticket``'s delivery to the open batch; its cause once the batch ran."""
+        batch = self._opened(ticket, added=False)
+        lead = batch is None
+        if batch is None:
+            batch = self._open = _Batch(ticket.session)
+        future: asyncio.Future[Cause] | None = None
+        if not lead:
+            future = asyncio.get_running_loop().create_future()
+        self._enter(batch, ticket, body, future)
         if future is not None:
             return await future
         return await self._lead(batch)
 
+    async def _wait_and_call(self, batch: _Batch) -> list[Cause]:
+        """Wait until the batch is full or ``max_wait`` passed, then run it."""
+        if not batch.full.is_set() and not self.shared.stopping:  # stopping: run now
+            try:
+                async with asyncio.timeout(self.max_wait):
+                    await batch.full.wait()
+            except TimeoutError:
+                pass
+        self._close(batch)
+        if self.slots is None:
+            return await self._traced(batch)
+        async with self.slots:
+            return await self._traced(batch)
+
+    async def _run_added(self, batch: _Batch) -> None:
+        """The task of a batch of deliveries without tasks: run it, then settle each."""
+        try:
+            if batch.session.dead():  # its channel died before this task started
+                self._close(batch)
+                causes = [_CHANNEL_DEAD] * len(batch.tickets)
+            else:
+                causes = await self._wait_and_call(batch)
+        except asyncio.CancelledError:  # a shutdown past its grace, or a dead channel
+            self._close(batch)
+            await self._settle_rest(batch.tickets, self._interrupted(batch.session))
+            raise
+        except BaseException as exc:  # a bug of ours: settle them by the error path all the same
+            self._close(batch)
+            self.log.error(
+                "consumer_failed", error=repr(exc), exc_info=exc, batch=len(batch.tickets)
+            )
+            if isinstance(exc, _EXITS):
+                self.shared.exited(exc)
+            await self._settle_rest(batch.tickets, Cause(Outcome.RAISED, exc))
+            return
+        finally:
+            self._release(batch)
+        await self._settle_added(batch, causes)
+
+    async def _settle_added(self, batch: _Batch, causes: list[Cause]) -> None:
+        """Settle each delivery of an added batch by its cause: those the handler
+        returned in order, here (their acks batch into one frame); the others (a copy
+        to publish, say) each in a task of its own, at once: the ticket's task from
+        then on, which a dead channel or a shutdown cancels as any delivery's."""
+        session = batch.session
+        inline: list[Ticket] = []
+        start = asyncio.get_running_loop().create_task
+        for ticket, cause in zip(batch.tickets, causes, strict=True):
+            if cause is _RETURNED:
+                inline.append(ticket)
+            else:
+                ticket.task = start(self._settle_one(ticket, cause))
+        try:
+            for ticket in inline:
+                if not session.ack_at_once(ticket, _RETURNED):
+                    await ticket.settle(_RETURNED)
+        except asyncio.CancelledError:
+            await self._settle_rest(inline, self._interrupted(session), forget=False)
+            raise
+        finally:
+            self._forget(inline)
+
+    async def _settle_one(self, ticket: Ticket, cause: Cause) -> None:
+        try:
+            await ticket.settle(cause)
+        except asyncio.CancelledError:
+            if not ticket.settled:
+                await asyncio.shield(ticket.settle(self._interrupted(ticket.session)))
+            raise
+        finally:
+            self._forget([ticket])
+
+    async def _settle_rest(
+        self, tickets: list[Ticket], cause: Cause, *, forget: bool = True
+    ) -> None:
+        """Settle by ``cause`` every ticket not settled yet (the batch's run was cut
+        short): shielded, so a second cancel cannot leave one unsettled."""
+        try:
+            rest = [ticket.settle(cause) for ticket in tickets if not ticket.settled]
+            if rest:
+                await asyncio.shield(asyncio.gather(*rest, return_exceptions=True))
+        finally:
+            if forget:
+                self._forget(tickets)
+
+    def _forget(self, tickets: list[Ticket]) -> None:
+        """These deliveries' processing ended."""
+        shared = self.shared
+        for ticket in tickets:
+            ticket.session.forget(ticket)
+            shared.leave()
+
+    def _interrupted(self, session: Session) -> Cause:
+        if session.dead():
+            return _CHANNEL_DEAD
+        if self.shared.stopping:
+            return _SHUTDOWN
+        return Cause(Outcome.RAISED, RuntimeError("the batch's run was interrupted"))
+
     async def _lead(self, batch: _Batch) -> Cause:
         """The leader's part: wait for the batch, run it, hand each follower its cause."""
         try:
-            if not batch.full.is_set() and not self.shared.stopping:  # stopping: run now
-                try:
-                    async with asyncio.timeout(self.max_wait):
-                        await batch.full.wait()
-                except TimeoutError:
-                    pass
-            self._close(batch)
-            if self.slots is None:
-                causes = await self._traced(batch)
-            else:
-                async with self.slots:
-                    causes = await self._traced(batch)
+            causes = await self._wait_and_call(batch)
         except BaseException:
             self._close(batch)
             self._orphaned(batch)
@@ -173,12 +293,7 @@ class Batcher:
 
     def _orphaned(self, batch: _Batch) -> None:
         """The leader's task ended early (cancelled): settle what still waits on it."""
-        if self.shared.stopping:
-            cause = _SHUTDOWN
-        elif batch.session.dead():
-            cause = _CHANNEL_DEAD
-        else:
-            cause = Cause(Outcome.RAISED, RuntimeError("the batch's run was interrupted"))
+        cause = self._interrupted(batch.session)
         for future in batch.futures:
             if future is not None and not future.done():
                 future.set_result(cause)

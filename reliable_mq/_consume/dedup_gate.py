@@ -126,6 +126,17 @@ class DedupGate:
             self._recovered()
         return result, Claim(message_id, owner) if result is _CLAIMED else None
 
+    def complete_at_once(self, claim: Claim) -> bool:
+        """`complete` in a store that answers at once (False: not such a store, or it
+        failed; `complete` then retries as usual)."""
+        if self.nowait is None:
+            return False
+        try:
+            self.nowait.complete_nowait(claim.message_id, owner=claim.owner)
+        except Exception:  # complete() counts, logs and retries it
+            return False
+        return True
+
     async def complete(self, claim: Claim) -> bool:
         """Mark the claimed id done; False if the store stayed down for a whole lease.
 

@@ -1,6 +1,6 @@
 """The consumer's hot path: one delivery, from its channel to its settle.
 
-The task `Dispatcher.intake` starts for each delivery turns whatever happens
+The coroutine `Dispatcher.intake` runs for each delivery turns whatever happens
 (a bad body, a dedup answer, the handler returning, raising anything,
 cancelling itself, timing out; a shutdown; a dead channel) into an
 [`Outcome`][reliable_mq._consume.settle.Outcome] and hands it to the delivery's
@@ -33,8 +33,12 @@ and counts as a handler error.
 
 The common path is kept light, since it runs once per message: the channel
 hands a delivery over synchronously (`Dispatcher.intake`, see
-`reliable_mq._amqp.inbound`), which records it in tag order and starts its one
-Task; causes that carry nothing but their outcome are shared constants; the
+`reliable_mq._amqp.inbound`), which records it in tag order and hands its
+coroutine to `reliable_mq._consume.eager.Eager` (run at once, a Task of its own
+only if it waits); a batch route's delivery is screened, claimed and decoded
+right there and added to its batch (`Dispatcher._to_batch`); the ack after a
+handler that returned takes no coroutine (`Session.ack_at_once`); causes that
+carry nothing but their outcome are shared constants; the
 decision for ``ACCEPTED`` is taken once per route, not per delivery (it does
 not depend on the attempt); counters are plain ints that the consumer adds to
 Prometheus periodically. No logging context is bound per delivery: our own
@@ -55,10 +59,12 @@ from .._amqp import Basic, OnDelivery, Undecodable
 from .._tracing import start_process, use_span
 from ..dedup.base import AlreadyProcessed, ClaimResult
 from ..delivery import Delivery, Settle
-from ..handlers import Reject, Retry
+from ..handlers import HandlerSpec, Reject, Retry
 from ..headers import ATTEMPT_HEADER, DELIVERY_COUNT_HEADER, NO_CONTENT_TYPE_HEADER
 from ..log import get_logger
 from .batches import Batcher
+from .dedup_gate import DedupGate
+from .eager import Eager
 from .route import Overran, Route
 from .session import Session, Shared, Ticket, delivery_log
 from .settle import Cause, Outcome, decide
@@ -96,6 +102,8 @@ class Dispatcher:
         self.shared = shared
         self.settings = shared.settings
         self.log = get_logger(__name__)
+        self.eager: Eager | None = None
+        """Runs each delivery's task (made on the first channel: it needs the loop)."""
 
     def intake(self, route: Route, session: Session) -> OnDelivery:
         """The function the channel of ``session`` hands each delivery to (in tag order).
@@ -104,7 +112,9 @@ class Dispatcher:
         that processes it. Should that fail (a bug of ours, a tag out of order),
         the channel is closed, so the broker requeues what it delivered on it.
         """
-        loop = asyncio.get_running_loop()
+        if self.eager is None:
+            self.eager = Eager(asyncio.get_running_loop())
+        submit = self.eager.submit
         if route.spec.batch is not None:
             if route.batcher is None:
                 route.batcher = Batcher(route, self.shared)
@@ -120,6 +130,18 @@ class Dispatcher:
         acks_first = (
             decide(route.spec.ack_policy, Outcome.ACCEPTED, 1, self.settings.max_attempts).settle
             is not Settle.HOLD
+        )
+
+        # A batch route's deliveries join their batch without a task each, where
+        # nothing before the handler needs to wait (`_to_batch`).
+        shared, batcher, gate = self.shared, route.batcher, route.dedup
+        to_batch = (
+            partial(self._to_batch, route, batcher)
+            if batcher is not None
+            and not as_it_came
+            and not acks_first
+            and (gate is None or gate.nowait is not None)
+            else None
         )
 
         def on_delivery(
@@ -139,9 +161,12 @@ class Dispatcher:
                     cause = Cause(Outcome.UNDECODABLE, undecodable.error, undecodable.describe())
                 tracer = tracing.tracer()
                 if tracer is None:
-                    ticket.task = loop.create_task(deliver(route, ticket, acks_first, cause))
+                    if to_batch and cause is None and not shared.stopping and not session.dead():
+                        to_batch(ticket)
+                    else:
+                        submit(ticket, deliver(route, ticket, acks_first, cause))
                 else:
-                    ticket.task = loop.create_task(traced(tracer, route, ticket, acks_first, cause))
+                    submit(ticket, traced(tracer, route, ticket, acks_first, cause))
             except Exception as exc:
                 self.log.error(
                     "consumer_intake_failed", queue=route.queue, error=repr(exc), exc_info=exc
@@ -244,7 +269,8 @@ class Dispatcher:
         if cause is None:
             return
         if not ticket.settled:
-            await ticket.settle(cause)
+            if cause is not _RETURNED or not ticket.session.ack_at_once(ticket, cause):
+                await ticket.settle(cause)
             return
         error = cause.error
         if error is None or isinstance(error, (Retry, Reject)):
@@ -256,11 +282,47 @@ class Dispatcher:
         else:
             log.warning("handler_failed_after_settle", error=repr(error))
 
-    async def _run(self, route: Route, ticket: Ticket, acks_first: bool) -> Cause | None:  # noqa: PLR0911, PLR0912 (hot path: every delivery; one return per way a run ends before the handler)
+    async def _run(self, route: Route, ticket: Ticket, acks_first: bool) -> Cause | None:  # noqa: PLR0911 (hot path: every delivery; one return per way a run ends before the handler)
         """Everything up to the handler's end, as a cause (None: settled already)."""
-        delivery, spec, settings = ticket.delivery, route.spec, self.settings
+        delivery, spec = ticket.delivery, route.spec
         if spec.queue_only:  # as it came: the handler settles every delivery itself
             return await self._call(route, ticket, None)
+        screened = self._screen(route, ticket, acks_first)
+        if screened is not None:
+            return screened
+        gate = route.dedup
+        if gate is not None:
+            message_id = delivery.message_id
+            if not message_id:
+                gate.unkeyed()
+            else:
+                result, claim = (
+                    gate.claim_nowait(message_id)
+                    if gate.nowait is not None
+                    else await gate.claim(message_id)
+                )
+                if claim is None:
+                    return _unclaimed(gate, result)
+                ticket.claim = claim
+        invalid, body = self._decode(spec, ticket)
+        if invalid is not None:
+            return invalid
+        if acks_first:
+            await ticket.settle(_ACCEPTED)  # ACK_FIRST acks here
+        # (Under the other policies ACCEPTED is a hold: nothing to carry out.)
+        if ticket.settled and ticket.outcome is not Settle.ACK:
+            # Settled meanwhile (a shutdown), or the id could not be recorded:
+            # requeued, the handler does not run.
+            return None
+        batcher = route.batcher
+        if batcher is not None:  # a batch handler: the batch's call ends it
+            return await batcher.join(ticket, body)
+        return await self._call(route, ticket, body)
+
+    def _screen(self, route: Route, ticket: Ticket, acks_first: bool) -> Cause | None:
+        """The checks before the dedup claim: a cause that settles the delivery without
+        a handler, or None."""
+        delivery, settings = ticket.delivery, self.settings
         if route.has_overran:
             overran = route.take_overran(delivery)
             if overran is not None:  # the broker's redelivery of a run it cut off
@@ -283,46 +345,62 @@ class Dispatcher:
             waited = time.perf_counter() - ticket.admitted
             if waited >= cut / 2:
                 return _waited(ticket, waited, cut)
+        return None
+
+    def _decode(self, spec: HandlerSpec, ticket: Ticket) -> tuple[Cause | None, Any]:
+        """The body for the handler, or the cause that settles the delivery instead."""
+        if spec.decode is None:
+            return None, None
+        delivery = ticket.delivery
+        try:
+            return None, spec.decode(delivery.body, delivery.content_type)
+        except MemoryError as exc:  # not the body's fault, maybe: retry
+            return Cause(Outcome.RAISED, exc), None
+        except _EXITS as exc:  # a validator that exits: as from the handler
+            return self._exited(ticket, exc), None
+        except BaseException as exc:  # BodyDecodeError, a validator's KeyError...
+            return Cause(Outcome.INVALID_BODY, exc), None
+
+    def _to_batch(self, route: Route, batcher: Batcher, ticket: Ticket) -> None:
+        """A batch route's delivery, without a task of its own: screened, claimed (a
+        store that answers at once) and decoded here, then added to the open batch,
+        whose one task runs the handler and settles every delivery of it
+        (`Batcher.add`). One screened out gets a task that settles it."""
+        cause = self._screen(route, ticket, False)
+        body: Any = None
         gate = route.dedup
-        if gate is not None:
-            message_id = delivery.message_id
+        if cause is None and gate is not None:
+            message_id = ticket.delivery.message_id
             if not message_id:
                 gate.unkeyed()
             else:
-                result, claim = (
-                    gate.claim_nowait(message_id)
-                    if gate.nowait is not None
-                    else await gate.claim(message_id)
-                )
-                if claim is None:
-                    if result is ClaimResult.DONE:
-                        return _DUPLICATE
-                    if result is ClaimResult.BUSY:
-                        gate.busy()
-                        return _BUSY
-                    return _STORE_DOWN
-                ticket.claim = claim
-        body: Any = None
-        if spec.decode is not None:
-            try:
-                body = spec.decode(delivery.body, delivery.content_type)
-            except MemoryError as exc:  # not the body's fault, maybe: retry
-                return Cause(Outcome.RAISED, exc)
-            except _EXITS as exc:  # a validator that exits: as from the handler
-                return self._exited(ticket, exc)
-            except BaseException as exc:  # BodyDecodeError, a validator's KeyError...
-                return Cause(Outcome.INVALID_BODY, exc)
-        if acks_first:
-            await ticket.settle(_ACCEPTED)  # ACK_FIRST acks here
-        # (Under the other policies ACCEPTED is a hold: nothing to carry out.)
-        if ticket.settled and ticket.outcome is not Settle.ACK:
-            # Settled meanwhile (a shutdown), or the id could not be recorded:
-            # requeued, the handler does not run.
-            return None
-        batcher = route.batcher
-        if batcher is not None:  # a batch handler: the batch's call ends it
-            return await batcher.join(ticket, body)
-        return await self._call(route, ticket, body)
+                result, ticket.claim = gate.claim_nowait(message_id)
+                if ticket.claim is None:
+                    cause = _unclaimed(gate, result)
+        if cause is None:
+            cause, body = self._decode(route.spec, ticket)
+        self.shared.enter()
+        if cause is None:
+            batcher.add(ticket, body)
+        else:
+            ticket.task = asyncio.get_running_loop().create_task(self._settle_alone(ticket, cause))
+
+    async def _settle_alone(self, ticket: Ticket, cause: Cause) -> None:
+        """Settle a delivery of the batch path that no handler will see, by ``cause``."""
+        session = ticket.session
+        try:
+            await ticket.settle(cause)
+        except asyncio.CancelledError as exc:
+            if not ticket.settled:
+                await ticket.settle(self._interrupted(session, exc))
+            raise
+        except BaseException as exc:  # a bug of ours: settle it by the error path all the same
+            delivery_log(ticket.delivery).error("consumer_failed", error=repr(exc), exc_info=exc)
+            if not ticket.settled:
+                await ticket.settle(Cause(Outcome.RAISED, exc))
+        finally:
+            session.forget(ticket)
+            self.shared.leave()
 
     async def _call(self, route: Route, ticket: Ticket, body: Any) -> Cause:  # noqa: PLR0911, PLR0912 (hot path: every delivery; one return per way a handler ends)
         """Run the handler; every way it can end becomes a cause."""
@@ -448,6 +526,16 @@ def _waited(ticket: Ticket, waited: float, cut: float) -> Cause:
         hint="it waited for a handler slot: lower prefetch, or raise concurrency",
     )
     return _WAITED
+
+
+def _unclaimed(gate: DedupGate, result: ClaimResult | None) -> Cause:
+    """Why the dedup store gave no claim: done already, claimed elsewhere, or down."""
+    if result is ClaimResult.DONE:
+        return _DUPLICATE
+    if result is ClaimResult.BUSY:
+        gate.busy()
+        return _BUSY
+    return _STORE_DOWN
 
 
 def _consumer_timeout(overran: Overran) -> Cause:

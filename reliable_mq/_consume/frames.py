@@ -353,6 +353,18 @@ class Frames:
             return True
         return await self._settle_single(_ACK, tag, trace)
 
+    def batch_ack(self, tag: int) -> None:
+        """`ack` of a live channel with batched acks, without waiting: a full batch is
+        written now if the lock is free and the connection has room, else by the
+        consumer's timer (`reliable_mq._consume.flusher.AckFlusher`) or the next ack."""
+        tracker = self.tracker
+        if not tracker.finish(tag):
+            return
+        if tracker.pending >= self.batch_size:
+            self._write_batch()
+        if tracker.pending:
+            self.shared.acks.wait(self)
+
     async def ack_now(self, tag: int, trace: SettleTrace | None = None) -> bool:
         """Ack ``tag`` in its own frame, now: used after a confirmed republish, so
         a channel loss cannot leave both the copy and the original behind.

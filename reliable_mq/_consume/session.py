@@ -8,7 +8,10 @@ through ``delivery.ack()``, a shutdown, a dead channel), goes through
 reserves the ticket so that nothing settles it twice, completes or releases its
 dedup claim, and writes the frame (or publishes the copy first, walking the
 fallback ladder of `reliable_mq._consume.settle.next_rung` when the copy cannot be
-published). Once the channel is gone (`Session.dead`) settles are dropped and
+published). The common end, an ack after the handler returned, has a twin
+without a coroutine, `Session.ack_at_once`: the same decision, the claim
+completed in memory, the ack batched; whatever it cannot do goes to `apply`.
+Once the channel is gone (`Session.dead`) settles are dropped and
 counted as stale: the broker has already requeued those deliveries and their
 tags mean nothing on any other channel.
 """
@@ -380,6 +383,34 @@ class Session(Frames):
         if ticket.span is not None:
             error = cause.error if cause.outcome in _FAILED else None
             settled(ticket.span, final, cause.outcome, error)
+        return True
+
+    def ack_at_once(self, ticket: Ticket, cause: Cause) -> bool:
+        """`apply` for the common end, without a coroutine: ``cause`` decides an ack
+        that marks the id done, the claim (if any) completes in memory, and the ack
+        joins the channel's batch. False: nothing was done, `apply` must run (a
+        traced delivery, one acked singly, a claim the store must be awaited for,
+        any other decision)."""
+        if ticket._outcome is not None or ticket.span is not None or not self.batch:
+            return False
+        route = self.route
+        decision = decide(
+            route.spec.ack_policy,
+            cause.outcome,
+            ticket.delivery.attempt,
+            self.shared.settings.max_attempts,
+        )
+        if decision.settle is not Settle.ACK or not decision.mark_done or self.dead():
+            return False
+        claim = ticket.claim
+        if claim is not None:
+            gate = route.dedup
+            if gate is None or not gate.complete_at_once(claim):
+                return False
+            ticket.claim = None
+        ticket._outcome = Settle.ACK
+        route.metrics.acked += 1
+        self.batch_ack(ticket.tag)
         return True
 
     async def _carry_out(self, ticket: Ticket, decision: Decision, cause: Cause) -> Settle:

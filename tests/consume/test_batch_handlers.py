@@ -23,13 +23,20 @@ from reliable_mq._consume.batches import Batcher, _Batch, cause_of, check_batch
 from reliable_mq._consume.settle import Outcome
 from reliable_mq._tracing import Tracing
 from reliable_mq.consumer import ReliableConsumer
-from reliable_mq.dedup import MemoryDedupStore
+from reliable_mq.dedup import MemoryDedupStore, SQLiteDedupStore
 from reliable_mq.delivery import Delivery
 from reliable_mq.handlers import AckPolicy, BatchOptions, Reject, Retry, Router
 from reliable_mq.headers import REASON_HEADER
 from reliable_mq.settings import ConsumerSettings
 from reliable_mq.topology import QueueTopology, declare_topology
-from tests.consume.test_consumer_broker import URL, Env, _env, drain  # noqa: F401 (_env: fixture)
+from tests.consume.test_consumer_broker import (  # noqa: F401 (_env: fixture)
+    URL,
+    Env,
+    _connection_pid,
+    _env,
+    _rabbitmqctl,
+    drain,
+)
 from tests.support.waiting import wait_until
 from tests.test_tracing import Spans, ids_of
 
@@ -527,6 +534,66 @@ class TestBatches:
         back = await drain(env.queue)
         assert Counter(m.message_id for m in back) == Counter({f"m{i}": 1 for i in range(30)})
         assert await _dlq(env) == Counter()
+
+    async def test_connection_cut_mid_batch_loses_nothing(self, env: Env) -> None:
+        """The broker closes the connection while one batch's call runs and the next
+        gathers: each of their deliveries is settled once, as stale (the broker requeued
+        them), both batches' tasks end, every message is handled after the reopen, and
+        the new channel trips no stale tag."""
+        await _declare(env)
+        ids = await env.publish([b"x"] * 300)
+        consumer = env.consumer(prefetch=200, **FAST)
+        handled: Counter[str] = Counter()
+        in_call, cut_done = asyncio.Event(), asyncio.Event()
+
+        @consumer.batch_handler(env.queue, max_size=150, max_wait=30)
+        async def load(items: list[Delivery]) -> None:
+            if not cut_done.is_set():
+                in_call.set()
+                await cut_done.wait()  # cancelled by the cut: not handled
+            handled.update(d.message_id for d in items)
+
+        await _start(env, consumer)
+        try:
+            pid = await _connection_pid(consumer.connection_name)
+            await asyncio.wait_for(in_call.wait(), 10)  # 150 in the call, 50 gathering
+            await wait_until(lambda: consumer.stats().in_progress == 200, what="200 in flight")
+            await _rabbitmqctl("close_connection", pid, "test cut")
+            await wait_until(lambda: consumer.stats().channel_reopens >= 1, what="the reopen")
+            cut_done.set()
+            await wait_until(lambda: set(ids) <= set(handled), timeout=60, what="all handled")
+            stats = consumer.stats()
+        finally:
+            await consumer.stop()
+        assert stats.channel_reopens == 1  # no PRECONDITION_FAILED after the reopen
+        assert stats.stale == 200  # both batches, each delivery once
+        assert stats.acked == 300
+        assert stats.in_progress == 0
+        assert await drain(env.queue) == []
+        assert await _dlq(env) == Counter()
+
+    async def test_an_awaited_dedup_store_filters_the_batch(self, env: Env, tmp_path: Any) -> None:
+        """With a dedup store that is awaited (SQLite), each delivery has its own task up to
+        the batch (`Batcher.join`): a copy of a done id still never reaches the handler."""
+        await _declare(env)
+        await env.publish([b"x"] * 6, ids=["a", "b", "c", "a", "d", "e"])
+        store = SQLiteDedupStore(tmp_path / "dedup.db")
+        consumer = env.consumer(prefetch=10, retry_delays=(0.05,), dedup=store)
+        runs: Counter[str] = Counter()
+
+        @consumer.batch_handler(env.queue, max_size=10, max_wait=0.3)
+        async def load(items: list[Delivery]) -> None:
+            runs.update(d.message_id for d in items)
+
+        await _start(env, consumer)
+        try:
+            await wait_until(lambda: consumer.stats().acked == 5, what="5 acked")
+            await wait_until(lambda: consumer.stats().duplicates == 1, what="1 duplicate")
+        finally:
+            await consumer.stop()
+            await store.close()
+        assert runs == Counter({"a": 1, "b": 1, "c": 1, "d": 1, "e": 1})
+        assert await drain(env.queue) == []
 
     async def test_dedup_filters_the_batch(self, env: Env) -> None:
         """Copies of an id done (or in the batch) never reach the handler; they are acked."""

@@ -537,6 +537,8 @@ class TestIntake:
             queue="q",
             spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR, queue_only=False, batch=None),
             metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
+            batcher=None,
+            dedup=None,
         )
         dispatcher = Dispatcher(Shared(ConsumerSettings()))
         on_delivery = dispatcher.intake(route, _Session())  # type: ignore[arg-type]
@@ -590,10 +592,12 @@ class TestIntake:
         for tag in (2, 3):
             props = Basic.Properties(message_id=f"m{tag}")
             on_delivery(Basic.Deliver("ctag", tag, False, "", "q"), props, b"", None)
-        channel.is_closed = True  # dies before the tasks of 2 and 3 ran
+        channel.is_closed = True  # dies before 2 and 3 started
+        started = [t for t in session.inflight.values() if t.task is not None]
+        assert [t.tag for t in started] == [1]  # 2 and 3 wait for their turn, without a task
         session.interrupt()
-        tasks = [ticket.task for ticket in session.inflight.values()]
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        await asyncio.wait_for(asyncio.gather(started[0].task, return_exceptions=True), 10)
+        await wait_until(lambda: not session.inflight, timeout=10, what="2 and 3 settled")
         assert calls == ["a"]
         assert route.metrics.stale == 3 and route.metrics.acked == 0
         assert session.inflight == {} and shared.active == 0
