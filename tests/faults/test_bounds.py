@@ -102,8 +102,11 @@ async def publish_range(
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(workers))), 300)
 
 
-def bounded_consumer(conn: Any, queue: str, ledger: Ledger) -> ReliableConsumer:
-    """A consumer whose effect is idempotent by construction (a byte per id)."""
+def bounded_consumer(
+    conn: Any, queue: str, ledger: Ledger, *, batch: bool = False
+) -> ReliableConsumer:
+    """A consumer whose effect is idempotent by construction (a byte per id); ``batch``:
+    a batch handler of up to 50 deliveries."""
     extra: dict[str, Any] = {"dedup": None} if LIBRARY_DEDUP else {}
     consumer = ReliableConsumer(
         conn,
@@ -120,25 +123,36 @@ def bounded_consumer(conn: Any, queue: str, ledger: Ledger) -> ReliableConsumer:
         if not ledger.effects[i]:
             ledger.effects[i] = 1
 
-    consumer.add_handler(queue, handle)
+    async def handle_many(deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            await handle(delivery)
+
+    if batch:
+        consumer.add_batch_handler(queue, handle_many, max_size=PREFETCH // 2)
+    else:
+        consumer.add_handler(queue, handle)
     return consumer
 
 
 class TestBounds:
+    @pytest.mark.parametrize("form", ["single", "batch"])
     async def test_100k_messages_window_prefetch_and_memory(
-        self, fault_node: PrivateBroker
+        self, fault_node: PrivateBroker, form: str
     ) -> None:
-        """100,000 messages, window 1,000, prefetch 100: bounds hold, RSS grows < 50 MB."""
+        """100,000 messages, window 1,000, prefetch 100: bounds hold, RSS grows < 50 MB,
+        with a single handler and with a batch handler."""
         url = fault_node.url
         oracle = LossOracle()
-        scenario = Scenario("bounds 100k", oracle)
+        scenario = Scenario("bounds 100k" if form == "single" else "bounds 100k batch", oracle)
         queue = new_queue("bounds")
         topology = QueueTopology(queue=queue, retry_delays=(0.2,))
         await declare(url, topology)
         total = 100_000
         warm = Ledger("w", 5000)
         ledger = Ledger("b", total)
-        consumer = bounded_consumer(connection(url, "bounds-consumer"), queue, warm)
+        consumer = bounded_consumer(
+            connection(url, "bounds-consumer"), queue, warm, batch=form == "batch"
+        )
         publisher = ReliablePublisher(
             connection(url, "bounds-publisher"),
             settings=PublisherSettings(max_in_flight=WINDOW),
