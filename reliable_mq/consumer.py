@@ -322,10 +322,10 @@ class ReliableConsumer(Router):
             ConsumerError: no handlers, or a queue could not be declared/consumed.
             ClosedError: the consumer was stopped.
         """
+        if self._shared.stopping:  # checked first: a stopped consumer stays started
+            raise ClosedError("consumer is stopped: a stopped consumer cannot start again")
         if self._started:
             return
-        if self._shared.stopping:
-            raise ClosedError("consumer is stopped")
         if not self.handlers:
             raise ConsumerError("no handlers registered")
         self._started = True

@@ -27,6 +27,7 @@ from pydantic import BaseModel, SecretStr
 from reliable_mq import ConnectionSettings, ReliablePublisher
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery
+from reliable_mq.errors import ClosedError
 from reliable_mq.handlers import AckPolicy, Reject, Retry
 from reliable_mq.topology import QueueTopology, QueueType, declare_topology, delete_topology
 from tests.support.waiting import wait_until
@@ -610,6 +611,23 @@ class TestLifecycle:
         remaining = await drain(env.queue)
         assert sorted(m.message_id or "" for m in remaining) == sorted(ids)
         assert all(m.redelivered for m in remaining)
+
+    async def test_a_stopped_consumer_refuses_to_start_again(self, env: Env) -> None:
+        """start() after stop() raises ClosedError: it used to return at once and
+        consume nothing, leaving the caller's ``async with`` waiting on an idle consumer."""
+        consumer = env.consumer()
+
+        @consumer.handler(env.queue)
+        async def handler(body: bytes) -> None: ...
+
+        env.track(consumer)
+        async with consumer:
+            pass
+        with pytest.raises(ClosedError, match="cannot start again"):
+            await consumer.start()
+        with pytest.raises(ClosedError):
+            async with consumer:
+                pass
 
     async def test_broker_cancel_resumes(self, env: Env) -> None:
         """If the broker cancels the consumer (queue deleted), it redeclares and resumes."""
