@@ -112,8 +112,9 @@ class Dispatcher:
         that processes it. Should that fail (a bug of ours, a tag out of order),
         the channel is closed, so the broker requeues what it delivered on it.
         """
-        if self.eager is None:
-            self.eager = Eager(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self.eager is None or self.eager.loop is not loop:  # started again in another loop
+            self.eager = Eager(loop)
         submit = self.eager.submit
         if route.spec.batch is not None:
             if route.batcher is None:

@@ -43,10 +43,10 @@ class Eager:
     it just before its first step (the delivery's ticket records it).
     """
 
-    __slots__ = ("_loop", "_pending", "_worker")
+    __slots__ = ("_pending", "_worker", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self.loop = loop
         self._pending: collections.deque[tuple[Any, Step]] = collections.deque()
         self._worker: asyncio.Task[None] | None = None
 
@@ -55,12 +55,12 @@ class Eager:
         the task running it before it starts."""
         self._pending.append((ticket, coro))
         if self._worker is None:
-            self._worker = self._loop.create_task(self._work())
+            self._worker = self.loop.create_task(self._work())
 
     def _next_worker(self) -> None:
         self._worker = None
         if self._pending:
-            self._worker = self._loop.create_task(self._work())
+            self._worker = self.loop.create_task(self._work())
 
     async def _work(self) -> None:
         pending = self._pending
