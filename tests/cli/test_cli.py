@@ -9,9 +9,8 @@ import re
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import aio_pika
 import pytest
@@ -29,6 +28,7 @@ from reliable_mq.testing import TCPProxy
 from reliable_mq.topology import declare_topology, delete_topology
 from tests.conftest import proxied_url
 from tests.support.amqp import ESCAPED, MARK, drain_queue, hostile_frames
+from tests.support.cli_fork import CliForkServer, Run
 from tests.support.private_node import free_port
 
 pytestmark = pytest.mark.rabbitmq
@@ -36,32 +36,33 @@ pytestmark = pytest.mark.rabbitmq
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Run(NamedTuple):
-    code: int
-    stdout: str
-    stderr: str
+_FORK_SERVER: dict[str, CliForkServer] = {}
+"""The module's fork server (see `tests.support.cli_fork`), while its tests run."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cli_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    server = CliForkServer(ROOT, tmp_path_factory.mktemp("cli") / "fork-server.log")
+    _FORK_SERVER["server"] = server
+    yield
+    del _FORK_SERVER["server"]
+    server.close()
 
 
 async def cli(*args: str, stdin: bytes = b"", url: str | None = None, timeout: float = 120) -> Run:
-    """Run ``python -m reliable_mq.cli ARGS`` and capture its exit code and output."""
+    """Run ``reliable-mq ARGS`` in a process of its own and capture its exit code and output.
+
+    The process is forked from a server that imported the CLI once (`CliForkServer`):
+    a fresh process's pipes, environment and exit status, without a second of start-up.
+    """
     env = dict(os.environ)
     env.pop("RELIABLE_MQ_URL", None)
     if url is not None:
         env["RELIABLE_MQ_URL"] = url
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "reliable_mq.cli",
-        *args,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=ROOT,
-        env=env,
+    server = _FORK_SERVER["server"]
+    return await asyncio.to_thread(
+        server.run, list(args), env=env, cwd=ROOT, stdin=stdin, timeout=timeout
     )
-    out, err = await asyncio.wait_for(process.communicate(stdin), timeout)
-    assert process.returncode is not None
-    return Run(process.returncode, out.decode(), err.decode())
 
 
 class TestPublish:
