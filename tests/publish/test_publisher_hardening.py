@@ -120,7 +120,10 @@ class TestRefusedBeforeSending:
             assert publisher.in_flight == 0
             await publisher.publish(b"after", routing_key=queue)
             assert _generations(publisher) == (1, 1)
-        assert [m.body for m in await drain_queue(broker_url, queue)] == [b"after"]
+        # Settled: the one publisher is closed, and a frame of the refused message would
+        # have gone out on its channel before "after", confirmed before it.
+        drained = await drain_queue(broker_url, queue, settled=True)
+        assert [m.body for m in drained] == [b"after"]
 
     async def test_deeply_nested_body_is_invalid_not_a_crash(
         self, broker_url: str, queue: str
