@@ -73,7 +73,7 @@ class TestPublish:
         run = await cli("publish", "--routing-key", queue, stdin=stdin, url=broker_url)
         assert run.code == 0, run.stderr
         assert "confirmed    500" in run.stdout.replace(",", "")
-        drained = await drain_queue(broker_url, queue)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert [m.body.decode() for m in drained] == lines
         assert len({m.message_id for m in drained}) == 500
 
@@ -90,7 +90,7 @@ class TestPublish:
         )  # fmt: skip
         assert run.code == 0, run.stderr
         assert "100%" in run.stderr  # the forced progress bar was drawn
-        drained = await drain_queue(broker_url, queue)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert [json.loads(m.body) for m in drained] == rows
         assert [m.message_id for m in drained] == [str(n) for n in range(100)]
         assert all(m.headers == {"source": "test"} for m in drained)
@@ -107,7 +107,7 @@ class TestPublish:
         )
         assert run.code == 1
         assert "invalid JSON" in run.stderr
-        drained = await drain_queue(broker_url, queue)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert [json.loads(m.body) for m in drained] == [{"ok": 1}]
 
 
@@ -215,7 +215,7 @@ class TestBench:
         """With --queue the messages stay there for inspection."""
         run = await cli("bench", "-n", "50", "--queue", queue, "--no-persistent", url=broker_url)
         assert run.code == 0, run.stderr
-        drained = await drain_queue(broker_url, queue)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert len(drained) == 50
 
 
@@ -844,4 +844,4 @@ class TestEventLoop:
         assert {"event": "event_loop", "loop": "uvloop"}.items() <= next(
             e for e in events if e.get("event") == "event_loop"
         ).items()
-        assert len(await drain_queue(broker_url, queue)) == 2
+        assert len(await drain_queue(broker_url, queue, settled=True)) == 2
