@@ -175,7 +175,7 @@ class TestMissingExchange:
     """Issue 10 items 3 and 4: a missing exchange fails only the publishes to it."""
 
     async def test_collateral_of_a_bad_publish_every_50ms(
-        self, broker_url: str, queue: str
+        self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, queue: str
     ) -> None:
         """10,000 good messages next to a publish to a missing exchange every 50 ms: one
         connection, one channel, no duplicates, and not much slower than alone."""
@@ -190,7 +190,7 @@ class TestMissingExchange:
 
         async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
             alone = await stream(publisher)
-        await drain_queue(broker_url, queue)
+        await (await amqp.get_queue(queue)).purge()  # all 10,000 confirmed: empty it at once
 
         refusals = 0
         async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
