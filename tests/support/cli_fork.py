@@ -18,6 +18,7 @@ Tests that send signals, break pipes or prove the installed entry point keep spa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import json
 import os
@@ -57,8 +58,8 @@ def _child(request: dict[str, Any], fds: list[int], server: socket.socket) -> No
         code: object = main(request["argv"])
     except SystemExit as exc:
         code = exc.code
-    except BaseException:  # as the interpreter does: a traceback, then 1
-        sys.excepthook(*sys.exc_info())  # type: ignore[arg-type]
+    except BaseException as exc:  # as the interpreter does: a traceback, then 1
+        sys.excepthook(type(exc), exc, exc.__traceback__)
         code = 1
     os._exit(_exit_status(code))
 
@@ -82,20 +83,11 @@ def _exit_status(code: object) -> int:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception as exc:  # reported as the interpreter reports it
-            sys.unraisablehook(_Unraisable(exc, stream))
+        except Exception as exc:  # reported much as the interpreter reports it
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"Exception ignored in: {stream!r}\n{exc!r}\n")
             status = 120
     return status & 0xFF
-
-
-class _Unraisable(NamedTuple):
-    """The argument of `sys.unraisablehook` ("Exception ignored in: <stdout>")."""
-
-    exc_value: BaseException
-    object: object
-    exc_type: type[BaseException] | None = None
-    exc_traceback: Any = None
-    err_msg: str | None = None
 
 
 def serve(fd: int) -> None:
