@@ -191,9 +191,11 @@ async def _get_all(url: str, queue: str) -> list[DrainedMessage]:
     return received
 
 
-def drain_queue_sync(url: str, queue: str, *, idle_timeout: float = 1.0) -> list[DrainedMessage]:
+def drain_queue_sync(
+    url: str, queue: str, *, idle_timeout: float = 1.0, settled: bool = False
+) -> list[DrainedMessage]:
     """Blocking version of `drain_queue`."""
-    return run_sync(lambda: drain_queue(url, queue, idle_timeout=idle_timeout))
+    return run_sync(lambda: drain_queue(url, queue, idle_timeout=idle_timeout, settled=settled))
 
 
 def wait_for_amqp_sync(url: str, timeout: float = 60.0) -> None:
