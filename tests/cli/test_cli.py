@@ -41,12 +41,10 @@ _FORK_SERVER: dict[str, CliForkServer] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _cli_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    server = CliForkServer(ROOT, tmp_path_factory.mktemp("cli") / "fork-server.log")
-    _FORK_SERVER["server"] = server
+def _cli_fork_server(cli_fork_server: CliForkServer) -> Iterator[None]:
+    _FORK_SERVER["server"] = cli_fork_server
     yield
     del _FORK_SERVER["server"]
-    server.close()
 
 
 async def cli(*args: str, stdin: bytes = b"", url: str | None = None, timeout: float = 120) -> Run:

@@ -29,8 +29,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 _MAX_REQUEST = 1 << 20
 """Bytes of one request (arguments and environment); SOCK_SEQPACKET keeps it whole."""
@@ -188,6 +193,15 @@ class CliForkServer:
             self._process.kill()
             self._process.wait()
         self._log.close()
+
+
+@pytest.fixture(scope="session")
+def cli_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliForkServer]:
+    """The run's fork server, started when a test first asks for it (a pytest plugin,
+    ``pytest_plugins`` in ``tests/conftest.py``)."""
+    server = CliForkServer(ROOT, tmp_path_factory.mktemp("cli-fork") / "server.log")
+    yield server
+    server.close()
 
 
 def _communicate(
