@@ -159,13 +159,20 @@ class CliForkServer:
         finally:
             for fd in (in_r, out_w, err_w):
                 os.close(fd)
-        pid = int(self._answer(deadline)["pid"])
+        try:
+            pid = int(self._answer(deadline)["pid"])
+        except BaseException:
+            for fd in (in_w, out_r, err_r):
+                os.close(fd)
+            raise
         try:
             out, err = _communicate(in_w, out_r, err_r, stdin, deadline)
             status = int(self._answer(deadline)["status"])
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            self._answer(time.monotonic() + 30)  # reaped: the server is ready for the next
+        except BaseException:  # our deadline, or pytest-timeout's: the next run must not wait
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                self._answer(time.monotonic() + 30)  # reaped: the server takes the next
             raise
         return Run(status, out.decode(), err.decode())
 
