@@ -28,7 +28,10 @@ from tests.support.amqp import wait_for_amqp_sync
 if TYPE_CHECKING:
     from tests.support.private_node import PrivateBroker
 
-pytest_plugins = ["tests.support.spark"]  # the shared SparkSession (spark, spark_queue)
+pytest_plugins = [
+    "tests.support.spark",  # the shared SparkSession (spark, spark_queue)
+    "tests.support.cli_fork",  # the CLI's fork server (cli_fork_server)
+]
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 if os.environ.get("CI") and not os.environ.get("FUZZ_RANDOM"):

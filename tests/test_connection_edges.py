@@ -25,6 +25,7 @@ from yarl import URL
 
 from reliable_mq import BrokerUnavailable, ReliableConsumer, ReliablePublisher
 from reliable_mq.sync import BlockingPublisher
+from tests.support.cli_fork import CliForkServer
 from tests.support.private_node import free_port
 
 pytestmark = pytest.mark.rabbitmq
@@ -74,19 +75,19 @@ class TestMissingVhost:
         "command",
         [["topology", "q"], ["consume", "q", "--idle-timeout", "1"], ["dlq", "list", "q"]],
     )
-    def test_cli_names_the_vhost(self, broker_url: str, command: list[str]) -> None:
+    def test_cli_names_the_vhost(
+        self, broker_url: str, command: list[str], cli_fork_server: CliForkServer
+    ) -> None:
         """One line on stderr naming the vhost, exit 2, the password not shown."""
         vhost = f"no-such-vhost-{uuid.uuid4().hex[:8]}"
-        run = subprocess.run(
-            [sys.executable, "-m", "reliable_mq.cli", *command],
+        run = cli_fork_server.run(
+            command,
             env={**os.environ, "RELIABLE_MQ_URL": _in_vhost(broker_url, vhost)},
-            capture_output=True,
-            text=True,
-            timeout=60,
             cwd=ROOT,
-            check=False,
+            stdin=b"",
+            timeout=60,
         )
-        assert run.returncode == 2, run
+        assert run.code == 2, run
         assert run.stderr.count("\n") == 1, run.stderr
         _named(run.stderr, vhost)
         assert ":guest@" not in run.stderr

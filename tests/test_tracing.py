@@ -154,7 +154,7 @@ class TestPublishSpan:
             "server.port": 5672,
             "reliable_mq.publish.attempts": 1,
         }
-        [message] = await drain_queue(broker_url, queue)
+        [message] = await drain_queue(broker_url, queue, settled=True)
         assert message.headers["traceparent"] == traceparent(span)
 
     async def test_a_message_keeps_its_own_traceparent(
@@ -169,7 +169,7 @@ class TestPublishSpan:
                 b"x", routing_key=queue, headers={"traceparent": given, "tenant": "t1"}
             )
         assert len(spans.named("publish ")) == 1
-        [message] = await drain_queue(broker_url, queue)
+        [message] = await drain_queue(broker_url, queue, settled=True)
         assert message.headers == {"traceparent": given, "tenant": "t1"}
 
     async def test_a_publish_in_a_span_is_its_child(

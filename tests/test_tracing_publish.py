@@ -145,7 +145,7 @@ class TestBatchSpan:
             for link in batch.links
         }
         assert links == {message_id: ids(span)[1] for message_id, span in creates.items()}
-        received = await drain_queue(broker_url, queue)
+        received = await drain_queue(broker_url, queue, settled=True)
         assert {m.message_id: m.headers["traceparent"] for m in received} == {
             message_id: traceparent(span) for message_id, span in creates.items()
         }
@@ -174,7 +174,9 @@ class TestBatchSpan:
         assert f"{links['own'].trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
         assert f"{links['own'].span_id:016x}" == "b7ad6b7169203331"
         assert links["new"].span_id == ids(create)[1]
-        received = {m.message_id: m.headers for m in await drain_queue(broker_url, queue)}
+        received = {
+            m.message_id: m.headers for m in await drain_queue(broker_url, queue, settled=True)
+        }
         assert received["own"] == {"traceparent": GIVEN}
         assert received["new"] == {"tenant": "t", "traceparent": traceparent(create)}
 
@@ -198,7 +200,8 @@ class TestBatchSpan:
         assert spans.named("create ") == []
         assert [(link.attributes or {})["messaging.message.id"] for link in batch.links] == ["own"]
         received = {
-            m.message_id: m.headers["traceparent"] for m in await drain_queue(broker_url, queue)
+            m.message_id: m.headers["traceparent"]
+            for m in await drain_queue(broker_url, queue, settled=True)
         }
         assert received == {"a": traceparent(batch), "b": traceparent(batch), "own": GIVEN}
 
@@ -297,7 +300,10 @@ class TestBatchSpan:
                     Message(b"x", routing_key=queue, headers={"t": 1}),
                 ]
             )
-        assert [m.headers for m in await drain_queue(broker_url, queue)] == [{}, {"t": 1}]
+        assert [m.headers for m in await drain_queue(broker_url, queue, settled=True)] == [
+            {},
+            {"t": 1},
+        ]
 
     async def test_republishes_are_counted_on_the_one_batch_span(
         self, broker_url: str, queue: str, spans: Spans
@@ -344,7 +350,10 @@ class TestBatchSpan:
                         [Message(b"x", routing_key=queue, headers={"t": n}) for n in range(2)]
                     )
                     assert result.confirmed == 2
-        assert [m.headers for m in await drain_queue(broker_url, queue)] == [{"t": 0}, {"t": 1}] * 2
+        assert [m.headers for m in await drain_queue(broker_url, queue, settled=True)] == [
+            {"t": 0},
+            {"t": 1},
+        ] * 2
         assert [e["call"] for e in logs if e["event"] == "tracing_failed"] == ["start_batch"]
 
 

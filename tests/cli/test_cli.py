@@ -9,9 +9,8 @@ import re
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import aio_pika
 import pytest
@@ -29,6 +28,7 @@ from reliable_mq.testing import TCPProxy
 from reliable_mq.topology import declare_topology, delete_topology
 from tests.conftest import proxied_url
 from tests.support.amqp import ESCAPED, MARK, drain_queue, hostile_frames
+from tests.support.cli_fork import CliForkServer, Run
 from tests.support.private_node import free_port
 
 pytestmark = pytest.mark.rabbitmq
@@ -36,32 +36,31 @@ pytestmark = pytest.mark.rabbitmq
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Run(NamedTuple):
-    code: int
-    stdout: str
-    stderr: str
+_FORK_SERVER: dict[str, CliForkServer] = {}
+"""The module's fork server (see `tests.support.cli_fork`), while its tests run."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cli_fork_server(cli_fork_server: CliForkServer) -> Iterator[None]:
+    _FORK_SERVER["server"] = cli_fork_server
+    yield
+    del _FORK_SERVER["server"]
 
 
 async def cli(*args: str, stdin: bytes = b"", url: str | None = None, timeout: float = 120) -> Run:
-    """Run ``python -m reliable_mq.cli ARGS`` and capture its exit code and output."""
+    """Run ``reliable-mq ARGS`` in a process of its own and capture its exit code and output.
+
+    The process is forked from a server that imported the CLI once (`CliForkServer`):
+    a fresh process's pipes, environment and exit status, without a second of start-up.
+    """
     env = dict(os.environ)
     env.pop("RELIABLE_MQ_URL", None)
     if url is not None:
         env["RELIABLE_MQ_URL"] = url
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "reliable_mq.cli",
-        *args,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=ROOT,
-        env=env,
+    server = _FORK_SERVER["server"]
+    return await asyncio.to_thread(
+        server.run, list(args), env=env, cwd=ROOT, stdin=stdin, timeout=timeout
     )
-    out, err = await asyncio.wait_for(process.communicate(stdin), timeout)
-    assert process.returncode is not None
-    return Run(process.returncode, out.decode(), err.decode())
 
 
 class TestPublish:
@@ -72,7 +71,7 @@ class TestPublish:
         run = await cli("publish", "--routing-key", queue, stdin=stdin, url=broker_url)
         assert run.code == 0, run.stderr
         assert "confirmed    500" in run.stdout.replace(",", "")
-        drained = await drain_queue(broker_url, queue)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert [m.body.decode() for m in drained] == lines
         assert len({m.message_id for m in drained}) == 500
 
@@ -89,7 +88,7 @@ class TestPublish:
         )  # fmt: skip
         assert run.code == 0, run.stderr
         assert "100%" in run.stderr  # the forced progress bar was drawn
-        drained = await drain_queue(broker_url, queue)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert [json.loads(m.body) for m in drained] == rows
         assert [m.message_id for m in drained] == [str(n) for n in range(100)]
         assert all(m.headers == {"source": "test"} for m in drained)
@@ -106,7 +105,7 @@ class TestPublish:
         )
         assert run.code == 1
         assert "invalid JSON" in run.stderr
-        drained = await drain_queue(broker_url, queue)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert [json.loads(m.body) for m in drained] == [{"ok": 1}]
 
 
@@ -214,7 +213,7 @@ class TestBench:
         """With --queue the messages stay there for inspection."""
         run = await cli("bench", "-n", "50", "--queue", queue, "--no-persistent", url=broker_url)
         assert run.code == 0, run.stderr
-        drained = await drain_queue(broker_url, queue)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert len(drained) == 50
 
 
@@ -843,4 +842,4 @@ class TestEventLoop:
         assert {"event": "event_loop", "loop": "uvloop"}.items() <= next(
             e for e in events if e.get("event") == "event_loop"
         ).items()
-        assert len(await drain_queue(broker_url, queue)) == 2
+        assert len(await drain_queue(broker_url, queue, settled=True)) == 2

@@ -31,6 +31,7 @@ from reliable_mq.runner._worker import stop_budget
 from reliable_mq.sync import BlockingPublisher
 from reliable_mq.topology import delete_topology
 from tests.support.amqp import drain_queue_sync, run_sync
+from tests.support.cli_fork import CliForkServer
 from tests.support.threaded_proxy import ThreadedProxy
 
 pytestmark = pytest.mark.rabbitmq
@@ -204,16 +205,13 @@ class TestTargets:
             ("not a path", "not an import path"),
         ],
     )
-    def test_a_bad_target_exits_2_with_the_reason(self, target: str, message: str) -> None:
-        run = subprocess.run(
-            [sys.executable, "-m", "reliable_mq.cli", "run", target],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+    def test_a_bad_target_exits_2_with_the_reason(
+        self, target: str, message: str, cli_fork_server: CliForkServer
+    ) -> None:
+        run = cli_fork_server.run(
+            ["run", target], env=dict(os.environ), cwd=ROOT, stdin=b"", timeout=120
         )
-        assert run.returncode == 2, run.stderr
+        assert run.code == 2, run.stderr
         assert message in run.stderr
 
 
@@ -232,21 +230,21 @@ class TestOptions:
         with pytest.raises(InvalidSettings, match=next(iter(fields))):
             RunnerOptions(target=f"{TARGET}:consumer", **fields)
 
-    def test_a_port_in_use_exits_2_before_any_worker_starts(self, tmp_path: Path) -> None:
+    def test_a_port_in_use_exits_2_before_any_worker_starts(
+        self, cli_fork_server: CliForkServer
+    ) -> None:
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             port = taken.getsockname()[1]
-            command = [sys.executable, "-m", "reliable_mq.cli", "run", f"{TARGET}:consumer"]
-            run = subprocess.run(
-                [*command, "--metrics-port", str(port)],
+            run = cli_fork_server.run(
+                ["run", f"{TARGET}:consumer", "--metrics-port", str(port)],
+                env=dict(os.environ),
                 cwd=ROOT,
-                capture_output=True,
-                text=True,
+                stdin=b"",
                 timeout=120,
-                check=False,
             )
-        assert run.returncode == 2, run.stderr
+        assert run.code == 2, run.stderr
         assert "cannot listen" in run.stderr
         assert "worker_spawned" not in run.stdout
 

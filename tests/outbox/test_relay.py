@@ -113,7 +113,7 @@ class TestDispatch:
         async with relay_for(pg.dsn, broker_url, table, registry) as relay:
             await drain_all(relay)
             assert relay.stats().dispatched == 5
-        drained = await drain_queue(broker_url, queue, idle_timeout=0.5)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert [m.message_id for m in drained] == [f"m{n}" for n in range(5)]
         assert drained[0].headers == {"tenant": "t1", "n": 0}
         assert (await outbox_status(pg.dsn, table=table)).pending == 0
@@ -197,7 +197,7 @@ class TestDispatch:
         assert reasons["unroutable"].startswith("PublishUnroutable")
         assert reasons["large"].startswith("MessageTooLarge")
         assert reasons["refused"].startswith(("ExchangeNotFound", "PublishRefused"))
-        drained = await drain_queue(broker_url, queue, idle_timeout=0.5)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert [m.message_id for m in drained] == ["after"]
         dead = registry.get_sample_value(
             "reliable_mq_outbox_failed_rows_total", {"table": table, "outcome": "dead"}
@@ -223,7 +223,7 @@ class TestDispatch:
             while handled := await relay.run_once():
                 sizes.append(handled)
         assert sizes == [6, 2, 2]
-        drained = [m.message_id for m in await drain_queue(broker_url, queue, idle_timeout=0.5)]
+        drained = [m.message_id for m in await drain_queue(broker_url, queue, settled=True)]
         for key in ("a", "b"):
             assert [m for m in drained if m and m.startswith(key)] == [
                 f"{key}{n}" for n in range(3)
@@ -818,7 +818,7 @@ class TestSQLite:
         async with relay_for(str(path), broker_url, "reliable_mq_outbox") as relay:
             await drain_all(relay)
             assert relay.stats().dispatched == 4 and relay.stats().dead == 1
-        drained = [m.message_id for m in await drain_queue(broker_url, queue, idle_timeout=0.5)]
+        drained = [m.message_id for m in await drain_queue(broker_url, queue, settled=True)]
         assert sorted(drained) == ["s0", "s1", "s2", "s3"]
         assert drained.index("s0") < drained.index("s1")
         status = await outbox_status(path)

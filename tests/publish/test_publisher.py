@@ -83,7 +83,7 @@ class TestPublishBasics:
         assert result.message_id == "order-1"
         assert result.attempts == 1
         assert 0 < result.confirm_latency <= result.elapsed < 5
-        drained = await drain_queue(broker_url, queue)
+        drained = await drain_queue(broker_url, queue, settled=True)
         assert [m.message_id for m in drained] == ["order-1"]
         assert json.loads(drained[0].body) == {"n": 1}
         assert drained[0].headers == {"k": "v"}
@@ -137,7 +137,7 @@ class TestPublishBasics:
             with pytest.raises(InvalidMessage):
                 await publisher.publish(b"x", routing_key=queue, headers={"bad": object()})
             assert (await publisher.publish(b"ok", routing_key=queue)).attempts == 1
-        assert [m.body for m in await drain_queue(broker_url, queue)] == [b"ok"]
+        assert [m.body for m in await drain_queue(broker_url, queue, settled=True)] == [b"ok"]
 
     async def test_closed_publisher_refuses_work(self, broker_url: str, queue: str) -> None:
         publisher = ReliablePublisher(conn(broker_url), registry=CollectorRegistry())

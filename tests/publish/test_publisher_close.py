@@ -97,7 +97,9 @@ class TestCloseWaitsForEveryCaller:
         assert all(task.done() for task in tasks)  # no caller is left waiting
         outcomes = [task.result() for task in tasks]
         assert _tally(outcomes) == {"ok": 50}
-        assert sorted(m.message_id for m in await drain_queue(broker_url, queue)) == sorted(ids)
+        assert sorted(
+            m.message_id for m in await drain_queue(broker_url, queue, settled=True)
+        ) == sorted(ids)
 
     async def test_enqueue_callbacks_and_batches_waiting_for_slots_are_published(
         self, broker_url: str, queue: str
@@ -132,7 +134,7 @@ class TestCloseWaitsForEveryCaller:
         assert all(p.done() for p in pending)
         assert _tally([await _outcome(p) for p in pending]) == {"ok": 30}
         assert batch.done() and batch.result().confirmed == 30
-        drained = [m.message_id for m in await drain_queue(broker_url, queue)]
+        drained = [m.message_id for m in await drain_queue(broker_url, queue, settled=True)]
         assert len(drained) == 90 and len(set(drained)) == 90
 
     async def test_a_second_close_waits_for_the_first(self, broker_url: str, queue: str) -> None:

@@ -120,7 +120,10 @@ class TestRefusedBeforeSending:
             assert publisher.in_flight == 0
             await publisher.publish(b"after", routing_key=queue)
             assert _generations(publisher) == (1, 1)
-        assert [m.body for m in await drain_queue(broker_url, queue)] == [b"after"]
+        # Settled: the one publisher is closed, and a frame of the refused message would
+        # have gone out on its channel before "after", confirmed before it.
+        drained = await drain_queue(broker_url, queue, settled=True)
+        assert [m.body for m in drained] == [b"after"]
 
     async def test_deeply_nested_body_is_invalid_not_a_crash(
         self, broker_url: str, queue: str
@@ -172,7 +175,7 @@ class TestMissingExchange:
     """Issue 10 items 3 and 4: a missing exchange fails only the publishes to it."""
 
     async def test_collateral_of_a_bad_publish_every_50ms(
-        self, broker_url: str, queue: str
+        self, broker_url: str, amqp: aio_pika.abc.AbstractChannel, queue: str
     ) -> None:
         """10,000 good messages next to a publish to a missing exchange every 50 ms: one
         connection, one channel, no duplicates, and not much slower than alone."""
@@ -187,7 +190,7 @@ class TestMissingExchange:
 
         async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
             alone = await stream(publisher)
-        await drain_queue(broker_url, queue)
+        await (await amqp.get_queue(queue)).purge()  # all 10,000 confirmed: empty it at once
 
         refusals = 0
         async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
@@ -255,7 +258,7 @@ class TestMissingExchange:
                 assert _generations(publisher) == (1, 1)
             finally:
                 await amqp.exchange_delete(missing)
-        assert [m.body for m in await drain_queue(broker_url, queue)] == [b"now"]
+        assert [m.body for m in await drain_queue(broker_url, queue, settled=True)] == [b"now"]
 
     @pytest.mark.fast_path
     async def test_exchange_deleted_mid_stream(
@@ -286,7 +289,7 @@ class TestMissingExchange:
             await amqp.exchange_delete(exchange)
             await asyncio.gather(*tasks)
             assert publisher._supervisor.generation == 1
-        delivered = {m.message_id for m in await drain_queue(broker_url, queue)}
+        delivered = {m.message_id for m in await drain_queue(broker_url, queue, settled=True)}
         kinds = {type(o).__name__ for o in outcomes.values()}
         # PublishUnroutable is the truth for a message the broker routed while the
         # deletion had removed the exchange's bindings but not yet the exchange
@@ -433,7 +436,7 @@ class TestBatches:
                     await publisher.publish(body, **fields)
             assert _generations(publisher) == (1, 1)
             await publisher.publish(b"after", routing_key=queue)
-        bodies = [m.body for m in await drain_queue(broker_url, queue)]
+        bodies = [m.body for m in await drain_queue(broker_url, queue, settled=True)]
         expected = [f"ok {i}".encode() for i in range(500) if i not in bad]
         assert bodies == [*expected, b"after"]
 
@@ -471,7 +474,7 @@ class TestBatches:
                     await publisher.enqueue(body, **fields)
             assert _generations(publisher) == (1, 1) and publisher.in_flight == 0
             await publisher.publish(b"after", routing_key=queue)
-        bodies = [m.body for m in await drain_queue(broker_url, queue)]
+        bodies = [m.body for m in await drain_queue(broker_url, queue, settled=True)]
         assert bodies == [*(f"ok {i}".encode() for i in range(12) if i not in bad), b"after"]
 
     async def test_max_failures_stops_reading(self, broker_url: str, queue: str) -> None:
@@ -498,7 +501,7 @@ class TestBatches:
         async with ReliablePublisher(conn(broker_url), registry=CollectorRegistry()) as publisher:
             result = await publisher.publish_many(source())
         assert (result.taken, result.confirmed) == (500, 500)
-        bodies = [m.body for m in await drain_queue(broker_url, queue)]
+        bodies = [m.body for m in await drain_queue(broker_url, queue, settled=True)]
         assert bodies[:2] == [b'{"i":0}', b'{"i":1}']
 
 

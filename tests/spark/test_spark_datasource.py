@@ -69,7 +69,7 @@ class TestBatchWrite:
         try:
             df = _rows(spark)
             _writer(df, broker_url, spark_queue, header_columns="customer,at").save()
-            by_format = drain_queue_sync(broker_url, spark_queue)
+            by_format = drain_queue_sync(broker_url, spark_queue, settled=True)
             spec = PublishSpec(
                 url=broker_url,
                 routing_key=spark_queue,
@@ -77,7 +77,7 @@ class TestBatchWrite:
                 header_columns=("customer", "at"),
             )
             publish_dataframe(df, spec)
-            by_function = drain_queue_sync(broker_url, spark_queue)
+            by_function = drain_queue_sync(broker_url, spark_queue, settled=True)
         finally:
             spark.conf.set("spark.sql.session.timeZone", previous or "UTC")
         assert len(by_format) == 40
@@ -146,7 +146,7 @@ class TestNullKeys:
         )
         assert published == list(range(20))
         _writer(df, broker_url, spark_queue, key_columns="k", allow_null_keys="true").save()
-        assert len(drain_queue_sync(broker_url, spark_queue)) == 30
+        assert len(drain_queue_sync(broker_url, spark_queue, settled=True)) == 30
 
     def test_the_spool_spills_to_disk_past_its_memory_and_replays_in_order(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

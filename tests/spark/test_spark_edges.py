@@ -114,7 +114,9 @@ class TestDecimalIds:
                 broker_url, spark_queue, ids=ids, key_columns=("a", "b"), id_namespace=namespace
             )
             publish_dataframe(df, spec)
-            published = {m.message_id for m in drain_queue_sync(broker_url, spark_queue)}
+            published = {
+                m.message_id for m in drain_queue_sync(broker_url, spark_queue, settled=True)
+            }
             assert published == {message_id_for(spec, row) for row in collected}, ids
             respelled = [
                 {**row, "a": Decimal(format(row["a"], "f") + "000"), "b": row["b"].normalize()}

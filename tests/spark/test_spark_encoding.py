@@ -299,7 +299,9 @@ class TestNonFinite:
         publish_dataframe(df, as_strings)
         as_null = _spec(broker_url, spark_queue, non_finite="null", id_namespace="n")
         publish_dataframe(df, as_null)
-        bodies = sorted(m.body.decode() for m in drain_queue_sync(broker_url, spark_queue))
+        bodies = sorted(
+            m.body.decode() for m in drain_queue_sync(broker_url, spark_queue, settled=True)
+        )
         assert bodies == sorted(
             [
                 '{"id":1,"x":1.5}',
@@ -333,7 +335,7 @@ class TestIdsNeverMerge:
         publish_dataframe(
             df, _spec(broker_url, spark_queue, key_columns=("k",), allow_null_keys=True)
         )
-        assert len(set(_ids(drain_queue_sync(broker_url, spark_queue)))) == 3
+        assert len(set(_ids(drain_queue_sync(broker_url, spark_queue, settled=True)))) == 3
         by_key = _spec(broker_url, spark_queue, key_columns=("k",), allow_null_keys=True, ids="key")
         with pytest.raises(DuplicateKeys, match="3 rows share the key"):
             publish_dataframe(df, by_key)
@@ -345,7 +347,7 @@ class TestIdsNeverMerge:
         df = spark.sql("SELECT * FROM VALUES (1, 'a'), (1, 'b'), (2, 'a') AS t(k, v)")
         row_spec = _spec(broker_url, spark_queue, key_columns=("k",))
         publish_dataframe(df, row_spec)
-        ids = _ids(drain_queue_sync(broker_url, spark_queue))
+        ids = _ids(drain_queue_sync(broker_url, spark_queue, settled=True))
         assert sorted(ids) == sorted(
             message_id_for(row_spec, {"k": k, "v": v}) for k, v in [(1, "a"), (1, "b"), (2, "a")]
         )
@@ -371,7 +373,7 @@ class TestIdsNeverMerge:
                 broker_url, spark_queue, key_columns=("ts",), ids="key", header_columns=("ts",)
             )
             publish_dataframe(df, spec)
-        messages = drain_queue_sync(broker_url, spark_queue)
+        messages = drain_queue_sync(broker_url, spark_queue, settled=True)
         assert sorted(m.body.decode() for m in messages) == [
             '{"ts":"2024-10-27T02:30:00.250000+01:00"}',
             '{"ts":"2024-10-27T02:30:00.250000+02:00"}',
@@ -394,7 +396,7 @@ class TestIdsNeverMerge:
         ):
             with session_time_zone(spark, zone):
                 publish_dataframe(spark.sql(sql), _spec(broker_url, spark_queue))
-            [message] = drain_queue_sync(broker_url, spark_queue)
+            [message] = drain_queue_sync(broker_url, spark_queue, settled=True)
             assert message.body.decode() == '{"k":1,"ts":"2024-07-01T' + text + '"}'
             ids.append(message.message_id)
         assert ids[0] == ids[1]

@@ -111,7 +111,7 @@ class TestPartitionSpans:
         assert {b["attributes"]["messaging.batch.message_count"] for b in batches} == {CHUNK}
         assert {b["parent_id"] for b in batches} == {p["context"]["span_id"] for p in partitions}
         traces = {p["context"]["trace_id"] for p in partitions}
-        messages = drain_queue_sync(broker_url, spark_queue)
+        messages = drain_queue_sync(broker_url, spark_queue, settled=True)
         assert len(messages) == PARTITIONS * ROWS
         assert {"0x" + m.headers["traceparent"].split("-")[1] for m in messages} == traces
 
@@ -125,7 +125,7 @@ class TestPartitionSpans:
         assert report.confirmed == PARTITIONS * ROWS
         assert list(tmp_path.glob("started-*")), "the hook ran in the workers"
         assert not list(tmp_path.glob("spans-*"))
-        messages = drain_queue_sync(broker_url, spark_queue)
+        messages = drain_queue_sync(broker_url, spark_queue, settled=True)
         assert len(messages) == PARTITIONS * ROWS
         assert not [m for m in messages if "traceparent" in m.headers]
 

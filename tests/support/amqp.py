@@ -105,6 +105,7 @@ async def drain_queue(
     *,
     idle_timeout: float = 1.0,
     prefetch: int = 500,
+    settled: bool = False,
 ) -> list[DrainedMessage]:
     """Consume everything from `queue`, acking each message, until it is idle.
 
@@ -112,9 +113,17 @@ async def drain_queue(
     message arrived for `idle_timeout` seconds. Use this, not message counts,
     to see what a queue holds.
 
+    ``settled=True`` is for a queue whose content is final: every publisher to it
+    is done and confirmed, and no other client consumes from it or holds a message
+    of it unacked (such a message is invisible to us until it comes back). Then
+    ``basic.get`` until the broker answers "empty" is exact, and takes
+    milliseconds instead of the `idle_timeout`.
+
     Returns:
         One record per delivery, in delivery order.
     """
+    if settled:
+        return await _get_all(url, queue)
     received: list[DrainedMessage] = []
     connection = await aio_pika.connect(url)
     try:
@@ -161,9 +170,32 @@ async def drain_queue(
     return received
 
 
-def drain_queue_sync(url: str, queue: str, *, idle_timeout: float = 1.0) -> list[DrainedMessage]:
+async def _get_all(url: str, queue: str) -> list[DrainedMessage]:
+    """``basic.get`` (and ack) until the queue answers "empty"; see `drain_queue`."""
+    received: list[DrainedMessage] = []
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=False)
+        amqp_queue = await channel.get_queue(queue, ensure=True)
+        while (message := await amqp_queue.get(no_ack=False, fail=False)) is not None:
+            received.append(
+                DrainedMessage(
+                    message.message_id,
+                    message.body,
+                    dict(message.headers),
+                    bool(message.redelivered),
+                )
+            )
+            await message.ack()
+        await channel.close()
+    return received
+
+
+def drain_queue_sync(
+    url: str, queue: str, *, idle_timeout: float = 1.0, settled: bool = False
+) -> list[DrainedMessage]:
     """Blocking version of `drain_queue`."""
-    return run_sync(lambda: drain_queue(url, queue, idle_timeout=idle_timeout))
+    return run_sync(lambda: drain_queue(url, queue, idle_timeout=idle_timeout, settled=settled))
 
 
 def wait_for_amqp_sync(url: str, timeout: float = 60.0) -> None:

@@ -24,7 +24,8 @@ def squeue(broker_url: str) -> Iterator[str]:
 
 
 def _bodies(url: str, queue: str) -> dict[str | None, bytes]:
-    return {m.message_id: m.body for m in drain_queue_sync(url, queue)}
+    # Settled: each request answered after its publish was confirmed (or refused).
+    return {m.message_id: m.body for m in drain_queue_sync(url, queue, settled=True)}
 
 
 def test_flask_app_answers_after_the_confirm(broker_url: str, squeue: str) -> None:

@@ -82,8 +82,9 @@ def publisher(broker_url: str) -> Iterator[BlockingPublisher]:
         yield running
 
 
-def _ids(url: str, queue: str) -> list[str | None]:
-    return [message.message_id for message in drain_queue_sync(url, queue)]
+def _ids(url: str, queue: str, *, settled: bool = False) -> list[str | None]:
+    """Drained ids; ``settled``: every publish to the queue has returned, confirmed or failed."""
+    return [message.message_id for message in drain_queue_sync(url, queue, settled=settled)]
 
 
 class TestPublish:
@@ -94,7 +95,7 @@ class TestPublish:
         result = publisher.publish({"n": 1}, routing_key=squeue, message_id="m-1")
         assert isinstance(result, PublishResult)
         assert (result.message_id, result.attempts) == ("m-1", 1)
-        drained = drain_queue_sync(broker_url, squeue)
+        drained = drain_queue_sync(broker_url, squeue, settled=True)
         assert [(m.message_id, m.body) for m in drained] == [("m-1", b'{"n":1}')]
 
     def test_submit_returns_a_future(
@@ -104,7 +105,8 @@ class TestPublish:
         futures = [publisher.submit(b"x", routing_key=squeue) for _ in range(200)]
         results = [f.result(timeout=60) for f in futures]
         assert all(isinstance(r, PublishResult) for r in results)
-        assert sorted(_ids(broker_url, squeue)) == sorted(r.message_id for r in results)  # type: ignore[type-var]
+        ids = _ids(broker_url, squeue, settled=True)
+        assert sorted(ids) == sorted(r.message_id for r in results)  # type: ignore[type-var]
 
     def test_flush_waits_for_submitted_messages(
         self, publisher: BlockingPublisher, squeue: str
@@ -153,7 +155,7 @@ class TestPublishMany:
         assert [(f.index, f.message_id) for f in result.failures] == [(1, "bad-1")]
         assert isinstance(result.failures[0].error, PublishUnroutable)
         assert publisher.publish_many(messages, raise_on_error=False).confirmed == 2
-        assert sorted(_ids(broker_url, squeue)) == ["ok-0", "ok-0", "ok-2", "ok-2"]  # type: ignore[type-var]
+        assert sorted(_ids(broker_url, squeue, settled=True)) == ["ok-0", "ok-0", "ok-2", "ok-2"]  # type: ignore[type-var]
 
     def test_an_item_that_is_not_a_message_is_a_failure(
         self, publisher: BlockingPublisher, broker_url: str, squeue: str
@@ -170,7 +172,7 @@ class TestPublishMany:
         assert (result.taken, result.confirmed) == (7, 6)
         assert [f.index for f in result.failures] == [5]
         assert isinstance(result.failures[0].error, InvalidMessage)
-        assert _ids(broker_url, squeue) == [*(f"i-{i}" for i in range(5)), "i-6"]
+        assert _ids(broker_url, squeue, settled=True) == [*(f"i-{i}" for i in range(5)), "i-6"]
 
     def test_max_failures_stops_taking_messages(self, publisher: BlockingPublisher) -> None:
         """The stream stops early, the caller learns where; an empty stream is fine too."""
