@@ -244,19 +244,22 @@ def whole_deliveries(
     channels: dict[int, DirectChannel],
     stamp: Callable[[], None],
     decode: DecodeDelivery,
-) -> Callable[[], bool]:
-    """A function handing over the delivery at the head of ``reader``'s buffer, if it can.
+) -> Callable[[], int]:
+    """A function handing over the deliveries at the head of ``reader``'s buffer, if it can.
 
-    It returns True once it handed one over: its three frames (method, header,
-    at most one body frame) were whole in the buffer, on a registered channel
-    that is idle, and decoded plainly (``decode``); they are taken out of the
-    buffer in one step, without a frame object or an awaited read each. Else
-    it returns False and takes nothing: the frames go through `buffered` and
-    `DirectChannel.take` (or aiormq's loop) one by one.
+    It hands over one delivery after another while the next one's three frames
+    (method, header, at most one body frame) are whole in the buffer, on a
+    registered channel that is idle, and decode plainly (``decode``); each is
+    taken out of the buffer in one step, without a frame object or an awaited
+    read each. It returns how many it handed over, and takes nothing more: the
+    frames of the next delivery go through `buffered` and `DirectChannel.take`
+    (or aiormq's loop) one by one. A transport paused for a full buffer is
+    resumed, and the connection's last-frame time noted, once per call (the
+    deliveries of one socket read are handed over in one call).
     """
     found = hooks.stream_buffer(reader)
     if found is None:
-        return lambda: False
+        return lambda: 0
     buffer, resume = found
     method_start, frame_header, body_size_of = (
         _METHOD_START.unpack_from,
@@ -264,7 +267,7 @@ def whole_deliveries(
         _BODY_SIZE.unpack_from,
     )
 
-    def take_whole() -> bool:  # noqa: PLR0911 (one return per way a delivery is not whole)
+    def take_one() -> bool:  # noqa: PLR0911 (one return per way a delivery is not whole)
         have = len(buffer)
         if have < 11:
             return False
@@ -296,9 +299,16 @@ def whole_deliveries(
         if decoded is None:
             return False
         del buffer[:end]
-        resume()
-        stamp()
         taker.hand_plain(decoded[0], decoded[1], data[body_at + 7 : end - 1] if body_size else b"")
         return True
+
+    def take_whole() -> int:
+        taken = 0
+        while take_one():
+            taken += 1
+        if taken:
+            resume()
+            stamp()
+        return taken
 
     return take_whole

@@ -284,7 +284,7 @@ def take_frames(receiver: Any, connection: Any = None) -> None:
                 raise StopAsyncIteration
             try:
                 if channels and take_whole():
-                    continue  # a whole delivery was in the buffer: handed over
+                    continue  # whole deliveries were in the buffer: handed over
                 received = read_now() or await read()
                 if channels and type(received[2]) in delivers:
                     taker = channels.get(received[1])

@@ -272,7 +272,7 @@ def _wire(body: bytes, *, channel: int = 1, header_channel: int = 1, key: str = 
 
 @pytest.mark.unit
 class TestWholeDeliveries:
-    async def _take(self, channel: _Channel, data: bytes) -> tuple[bool, asyncio.StreamReader]:
+    async def _take(self, channel: _Channel, data: bytes) -> tuple[int, asyncio.StreamReader]:
         reader = asyncio.StreamReader()
         reader.feed_data(data)
         reader.feed_eof()
@@ -294,6 +294,17 @@ class TestWholeDeliveries:
         assert properties.message_id == "m1"
         assert properties.headers == {"n": 1}
         assert properties.content_type == "text/plain"
+
+    async def test_the_whole_deliveries_of_a_read_in_one_call(self, channel: _Channel) -> None:
+        """Every whole delivery at the head of the buffer, in order, up to the first one
+        that is not whole; one last-frame stamp for them all."""
+        data = b"".join(_wire(b"%d" % n, key=f"q{n}") for n in range(5))
+        taken, reader = await self._take(channel, data + _wire(b"abc")[:-1])
+        assert taken == 5 and channel.stamps == 1
+        assert [(d.routing_key, body) for d, _, body in channel.handed] == [
+            (f"q{n}", b"%d" % n) for n in range(5)
+        ]
+        assert await reader.read() == _wire(b"abc")[:-1]
 
     @pytest.mark.parametrize("cut", [5, 11, 40, 60, -1])
     async def test_a_partial_delivery_stays_in_the_buffer(
