@@ -144,6 +144,45 @@ class Delivery:
         self.properties = properties
         self._settler = settler
 
+    @classmethod
+    def _received(
+        cls,
+        body: bytes,
+        message_id: str,
+        headers: Mapping[str, Any],
+        redelivered: bool,
+        attempt: int,
+        queue: str,
+        exchange: str,
+        routing_key: str,
+        content_type: str | None,
+        correlation_id: str | None,
+        reply_to: str | None,
+        delivery_tag: int,
+        properties: Any,
+        settler: Settler | None,
+        /,
+    ) -> Delivery:
+        """The consumer's constructor (`reliable_mq._consume.dispatch`): the fields of
+        ``__init__`` in its order, all given, positional. A call with fourteen keyword
+        arguments costs about three times as much per delivery."""
+        self = cls.__new__(cls)
+        self.body = body
+        self.message_id = message_id
+        self.headers = headers
+        self.redelivered = redelivered
+        self.attempt = attempt
+        self.queue = queue
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.content_type = content_type
+        self.correlation_id = correlation_id
+        self.reply_to = reply_to
+        self.delivery_tag = delivery_tag
+        self.properties = properties
+        self._settler = settler
+        return self
+
     def __repr__(self) -> str:
         outcome = self.outcome
         return (

@@ -55,6 +55,7 @@ NO_BROKER = "not rabbitmq and not private_broker and not redis and not spark and
 
 WIRE = "reliable_mq/_amqp/wire.py"
 INBOUND = "reliable_mq/_amqp/inbound.py"
+PLAIN = "reliable_mq/_amqp/plain.py"
 WINDOW = "reliable_mq/_publish/window.py"
 FAULTS = "reliable_mq/_amqp/faults.py"
 CONFIRMS = "reliable_mq/_publish/confirms.py"
@@ -66,6 +67,10 @@ TESTS: dict[str, tuple[str, ...]] = {
     INBOUND: (
         "tests/consume/test_consumer_fast_path.py::TestDecodeFrame",
         "tests/consume/test_consumer_fast_path.py::TestUndecodable",
+        "tests/consume/test_consumer_fast_path.py::TestHeaderEdges",
+    ),
+    PLAIN: (
+        "tests/consume/test_consumer_fast_path.py::TestDecodeFrame",
         "tests/consume/test_consumer_fast_path.py::TestHeaderEdges",
     ),
     WINDOW: ("tests/publish/test_window.py",),
@@ -309,6 +314,49 @@ MUTANTS: tuple[Mutant, ...] = (
         'value = "" if name == "cluster_id" else None',
         "value = None",
         "an absent cluster_id None, where pamqp gives ''",
+    ),
+    Mutant(
+        "inbound-whole-header-past-end",
+        INBOUND,
+        "return None if end > body_at - 1 else",
+        "return None if end > body_at else",
+        "the direct path takes a delivery whose properties read its header's frame-end byte",
+    ),
+    # -- plain.py: the hot path's decoder of deliveries -------------------------------
+    Mutant(
+        "plain-second-flag-word",
+        PLAIN,
+        "FLAG_WORDS = 1\n",
+        "FLAG_WORDS = 0\n",
+        "a second property-flag word ignored: properties read from the wrong offset",
+    ),
+    Mutant(
+        "plain-redelivered-bit",
+        PLAIN,
+        "bool(bits & 1)",
+        "bool(bits & 2)",
+        "the redelivered bit read from the wrong place",
+    ),
+    Mutant(
+        "plain-cluster-id-default",
+        PLAIN,
+        'properties.cluster_id = ""',
+        "properties.cluster_id = None",
+        "an absent cluster_id None, where pamqp gives ''",
+    ),
+    Mutant(
+        "plain-timestamp-width",
+        PLAIN,
+        "        offset += 8\n",
+        "        offset += 4\n",
+        "the properties after a timestamp read from the wrong offset",
+    ),
+    Mutant(
+        "plain-reply-to-flag",
+        PLAIN,
+        "if flags & 0x0200:",
+        "if flags & 0x0100:",
+        "reply_to read under expiration's flag bit",
     ),
     # -- window.py: the publisher's in-flight window ----------------------------------
     Mutant(

@@ -13,7 +13,10 @@ channel registered here (`DirectChannels.register`), reads the delivery's
 content header and body frame at once (from the stream's buffer, where they
 nearly always are already) and hands the delivery to the same function the
 channel's reader would have called (``hand``), synchronously, without leaving
-the connection's reader task. It does so only while the channel's reader is
+the connection's reader task. When all three frames are in the buffer
+(`whole_deliveries`), the method frame and the properties are decoded straight
+from one copy of them (`reliable_mq._amqp.plain`), without a content header
+object, and handed to ``hand_plain``. It does so only while the channel's reader is
 idle: nothing queued for it, its reader task waiting for a frame, not half-way
 through a delivery of its own (`DirectChannel.idle`); so every channel's
 frames are still handled in the order they came. Anything else goes the usual
@@ -49,7 +52,15 @@ from pamqp.header import ContentHeader
 
 from . import hooks
 
-__all__ = ("DirectChannel", "DirectChannels", "Hand", "Received", "buffered", "whole_deliveries")
+__all__ = (
+    "DirectChannel",
+    "DirectChannels",
+    "Hand",
+    "HandPlain",
+    "Received",
+    "buffered",
+    "whole_deliveries",
+)
 
 Received = tuple[int, int, Any]
 """A decoded frame as the frame receiver returns it: ``(bytes used, channel, frame)``."""
@@ -57,6 +68,10 @@ Received = tuple[int, int, Any]
 Hand = Callable[[Any, Any, bytes], None]
 """``hand(deliver frame, content header, body)``: the channel's delivery handler's
 synchronous end. It must not raise."""
+
+HandPlain = Callable[[Any, Any, bytes], None]
+"""``hand_plain(deliver frame, properties, body)``: the same for a delivery whose
+frames decoded plainly (nothing undecodable in them), without its content header."""
 
 _FRAME_HEADER = struct.Struct(">BHI")
 _METHOD_START = struct.Struct(">BHIHH")  # frame type, channel, size, class id, method id
@@ -74,25 +89,29 @@ class DirectChannel:
             frame (set by it): its reader is not idle.
     """
 
-    __slots__ = ("_getters", "_items", "frames", "hand", "mid_content")
+    __slots__ = ("_getters", "_items", "frames", "hand", "hand_plain", "mid_content")
 
     def __init__(
         self,
         frames: asyncio.Queue[Any],
         deques: tuple[collections.deque[Any], collections.deque[Any]],
         hand: Hand,
+        hand_plain: HandPlain,
     ) -> None:
         self.frames = frames
         self._items, self._getters = deques
         self.hand = hand
+        self.hand_plain = hand_plain
         self.mid_content = False
 
     @classmethod
-    def of(cls, frames: asyncio.Queue[Any], hand: Hand) -> DirectChannel | None:
+    def of(
+        cls, frames: asyncio.Queue[Any], hand: Hand, hand_plain: HandPlain
+    ) -> DirectChannel | None:
         """A registration for a channel with the frame queue ``frames`` (None: the
         queue lacks the private deques this relies on)."""
         deques = hooks.queue_deques(frames)
-        return None if deques is None else cls(frames, deques, hand)
+        return None if deques is None else cls(frames, deques, hand, hand_plain)
 
     def idle(self) -> bool:
         """Nothing queued for the channel, and its reader waits for a frame."""
@@ -213,9 +232,11 @@ def buffered(
     return read_now
 
 
-DecodeDelivery = Callable[[bytes, bytes], tuple[Any, Any] | None]
-"""``decode(deliver payload, header payload)``: the ``basic.deliver`` and content
-header frames, or None for anything but a plain one (it then goes frame by frame)."""
+DecodeDelivery = Callable[[bytes, int, int], tuple[Any, Any] | None]
+"""``decode(frames, header at, body at)``: the ``basic.deliver`` frame and the
+properties of a delivery's frames (the method frame at 0, the content header
+frame at ``header at``, the body frame, if any, at ``body at``), or None for
+anything but a plain one (it then goes frame by frame)."""
 
 
 def whole_deliveries(
@@ -223,19 +244,22 @@ def whole_deliveries(
     channels: dict[int, DirectChannel],
     stamp: Callable[[], None],
     decode: DecodeDelivery,
-) -> Callable[[], bool]:
-    """A function handing over the delivery at the head of ``reader``'s buffer, if it can.
+) -> Callable[[], int]:
+    """A function handing over the deliveries at the head of ``reader``'s buffer, if it can.
 
-    It returns True once it handed one over: its three frames (method, header,
-    at most one body frame) were whole in the buffer, on a registered channel
-    that is idle, and decoded plainly (``decode``); they are taken out of the
-    buffer in one step, without a frame object or an awaited read each. Else
-    it returns False and takes nothing: the frames go through `buffered` and
-    `DirectChannel.take` (or aiormq's loop) one by one.
+    It hands over one delivery after another while the next one's three frames
+    (method, header, at most one body frame) are whole in the buffer, on a
+    registered channel that is idle, and decode plainly (``decode``); each is
+    taken out of the buffer in one step, without a frame object or an awaited
+    read each. It returns how many it handed over, and takes nothing more: the
+    frames of the next delivery go through `buffered` and `DirectChannel.take`
+    (or aiormq's loop) one by one. A transport paused for a full buffer is
+    resumed, and the connection's last-frame time noted, once per call (the
+    deliveries of one socket read are handed over in one call).
     """
     found = hooks.stream_buffer(reader)
     if found is None:
-        return lambda: False
+        return lambda: 0
     buffer, resume = found
     method_start, frame_header, body_size_of = (
         _METHOD_START.unpack_from,
@@ -243,7 +267,7 @@ def whole_deliveries(
         _BODY_SIZE.unpack_from,
     )
 
-    def take_whole() -> bool:  # noqa: PLR0911 (one return per way a delivery is not whole)
+    def take_one() -> bool:  # noqa: PLR0911 (one return per way a delivery is not whole)
         have = len(buffer)
         if have < 11:
             return False
@@ -270,14 +294,21 @@ def whole_deliveries(
                 return False
             if buffer[end - 1] != _FRAME_END:
                 return False
-        frames = decode(bytes(buffer[7 : 7 + size]), bytes(buffer[header_at + 7 : body_at - 1]))
-        if frames is None:
+        data = bytes(buffer[:end])  # one copy: the frames decode from it, the body is cut from it
+        decoded = decode(data, header_at, body_at)
+        if decoded is None:
             return False
-        body = bytes(buffer[body_at + 7 : end - 1]) if body_size else b""
         del buffer[:end]
-        resume()
-        stamp()
-        taker.hand(frames[0], frames[1], body)
+        taker.hand_plain(decoded[0], decoded[1], data[body_at + 7 : end - 1] if body_size else b"")
         return True
+
+    def take_whole() -> int:
+        taken = 0
+        while take_one():
+            taken += 1
+        if taken:
+            resume()
+            stamp()
+        return taken
 
     return take_whole

@@ -27,6 +27,7 @@ needs is verified, or it is not used.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import struct
 import types
@@ -57,6 +58,7 @@ __all__ = (
     "check_channel",
     "find_receiver",
     "frame_clock",
+    "frame_factory",
     "install_confirm_handlers",
     "install_deliver_handler",
     "install_frame_decoder",
@@ -636,6 +638,12 @@ def write_frames(channel: aiormq.Channel) -> Callable[[bytes], bool]:
 def new_frame(cls: type[_T]) -> _T:
     """An instance of a pamqp frame class, its fields to be set by the decoder."""
     return cls.__new__(cls)
+
+
+def frame_factory(cls: type[_T]) -> Callable[[], _T]:
+    """`new_frame` for one class, as a function of no arguments (one call less per
+    frame on the consumer's hot path)."""
+    return functools.partial(cls.__new__, cls)
 
 
 class PreEncodedProperties(Basic.Properties):

@@ -74,7 +74,8 @@ from pamqp.header import ContentHeader
 from . import hooks
 from .direct import DirectChannel, DirectChannels, buffered, whole_deliveries
 from .faults import reader_error
-from .fields import A_ARRAY, F_TABLE, T_TIMESTAMP, read_scalar, read_table, timestamp_of
+from .fields import A_ARRAY, F_TABLE, T_TIMESTAMP, read_scalar, timestamp_of
+from .plain import FLAG_WORDS, read_deliver, read_properties
 
 __all__ = (
     "OnDelivery",
@@ -151,8 +152,12 @@ def take_deliveries(channel: aiormq.Channel, on_delivery: OnDelivery) -> None:
             else:
                 on_delivery(frame, header.properties, body, _undecodable(frame, header))
 
+    def hand_plain(frame: Basic.Deliver, properties: Basic.Properties, body: bytes) -> None:
+        if frame.consumer_tag in consumers:
+            on_delivery(frame, properties, body, None)
+
     direct = DirectChannels.registered(channel.connection)
-    taker = None if direct is None else DirectChannel.of(frames, hand)
+    taker = None if direct is None else DirectChannel.of(frames, hand, hand_plain)
 
     async def on_deliver(frame: Basic.Deliver) -> None:
         # The header and the body have usually arrived with the method frame:
@@ -223,6 +228,7 @@ async def _rest(first: bytes, size: int, next_frame: Callable[[], Any]) -> bytes
 # -- frame decoding -------------------------------------------------------------
 
 _FRAME_HEADER = struct.Struct(">BHI")
+_FLAGS = struct.Struct(">H")
 _HEADER_START = struct.Struct(">HHQH")  # class id, weight, body size, first flag word
 _LONGLONG = struct.Struct(">q")  # signed, as pamqp decodes it
 _LONG = struct.Struct(">I")
@@ -278,7 +284,7 @@ def take_frames(receiver: Any, connection: Any = None) -> None:
                 raise StopAsyncIteration
             try:
                 if channels and take_whole():
-                    continue  # a whole delivery was in the buffer: handed over
+                    continue  # whole deliveries were in the buffer: handed over
                 received = read_now() or await read()
                 if channels and type(received[2]) in delivers:
                     taker = channels.get(received[1])
@@ -336,20 +342,54 @@ def decode_frame(head: bytes, rest: bytes) -> tuple[int, int, Any]:
     return pamqp.frame.unmarshal(head + rest)
 
 
-def _plain_delivery(deliver: bytes, header: bytes) -> tuple[Basic.Deliver, ContentHeader] | None:
-    """A delivery's method and content header payloads, decoded; None if either is not
-    plain (not UTF-8, a bad timestamp, two flag words, damaged): `decode_frame` then
-    decodes them one by one, and says what is wrong."""
+def _plain_delivery(
+    data: bytes, header_at: int, body_at: int
+) -> tuple[Basic.Deliver, Basic.Properties] | None:
+    """A delivery's method frame and its content header's properties, decoded from
+    ``data`` (the delivery's frames: the method frame at 0, the header frame at
+    ``header_at``, what follows at ``body_at``); None if either is not plain (not
+    UTF-8, a bad timestamp, two flag words, damaged): `decode_frame` then decodes
+    them one by one, and says what is wrong."""
     try:
-        frame = _deliver(deliver)
-        content = content_header(header)
+        frame, end = read_deliver(data, 11)  # past the frame header, class and method ids
+        if end > header_at - 1:  # past the method frame's end
+            return None
+        flags = _FLAGS.unpack_from(data, header_at + 19)[0]
+        if flags & FLAG_WORDS:
+            return None
+        properties, end = read_properties(data, header_at + 21, flags)
     except Exception:
         return None
-    return None if content is None else (frame, content)
+    return None if end > body_at - 1 else (frame, properties)
+
+
+def _deliver(data: bytes) -> Basic.Deliver:
+    """A ``basic.deliver`` payload, decoded (as pamqp: no validation of what came in)."""
+    frame, end = read_deliver(data, 4)
+    if end > len(data):
+        raise ValueError("short string past the end of the frame")
+    return frame
+
+
+def content_header(data: bytes) -> ContentHeader | None:
+    """A content header payload with one flag word, decoded (None: more, pamqp decodes it)."""
+    class_id, weight, body_size, flags = _HEADER_START.unpack_from(data)
+    if flags & FLAG_WORDS:
+        return None
+    properties, end = read_properties(data, 14, flags)
+    if end > len(data):
+        raise ValueError("content header past the end of the frame")
+    header = _new_header()
+    header.class_id = class_id
+    header.weight = weight
+    header.body_size = body_size
+    header.properties = properties
+    return header
 
 
 class _Reader(Protocol):
-    """How `_read_deliver` and `_read_header` decode strings, tables and timestamps.
+    """How `_read_deliver` and `_read_header` decode strings, tables and timestamps
+    when the hot path's readers (`reliable_mq._amqp.plain`) could not.
 
     ``where`` names the field, for a reader that notes what it could not decode.
     """
@@ -359,42 +399,9 @@ class _Reader(Protocol):
     def timestamp(self, data: bytes, offset: int, where: str) -> tuple[Any, int]: ...
 
 
-def _short_str(data: bytes, offset: int, where: str = "") -> tuple[str, int]:
-    end = offset + 1 + data[offset]
-    if end > len(data):
-        raise ValueError("short string past the end of the frame")
-    return data[offset + 1 : end].decode("utf-8"), end
-
-
-class _Strict:
-    """The hot path's reader: UTF-8 or an error; tables decoded by `_table`."""
-
-    __slots__ = ()
-
-    short_str = staticmethod(_short_str)
-    table = staticmethod(read_table)
-
-    @staticmethod
-    def timestamp(data: bytes, offset: int, where: str) -> tuple[Any, int]:
-        return timestamp_of(_TIMESTAMP.unpack_from(data, offset)[0]), offset + 8
-
-
-_STRICT = _Strict()
-
 _D = TypeVar("_D", bound=Basic.Deliver)
 _H = TypeVar("_H", bound=ContentHeader)
-
-
-def _deliver(data: bytes) -> Basic.Deliver:
-    # As pamqp: no validation of what came in.
-    deliver: Basic.Deliver = _read_deliver(hooks.new_frame(Basic.Deliver), data, _STRICT)
-    return deliver
-
-
-def content_header(data: bytes) -> ContentHeader | None:
-    """A content header payload with one flag word, decoded (None: more, pamqp decodes it)."""
-    header: ContentHeader | None = _read_header(hooks.new_frame(ContentHeader), data, _STRICT)
-    return header
+_new_header = hooks.frame_factory(ContentHeader)
 
 
 def _read_deliver(frame: _D, data: bytes, reader: _Reader) -> _D:

@@ -71,7 +71,11 @@ class _Channel:
         self.frames: asyncio.Queue[Any] = asyncio.Queue(maxsize=10)
         self.handed: list[tuple[Any, Any, bytes]] = []
         self.stamps = 0
-        taker = DirectChannel.of(self.frames, lambda *args: self.handed.append(args))
+        taker = DirectChannel.of(
+            self.frames,
+            lambda *args: self.handed.append(args),
+            lambda *args: self.handed.append(args),  # (deliver, properties, body)
+        )
         assert taker is not None
         self.taker = taker
         self.reader: asyncio.Task[Any] | None = None
@@ -182,7 +186,7 @@ class TestIdle:
         class _Other:
             pass
 
-        assert DirectChannel.of(_Other(), lambda *args: None) is None  # type: ignore[arg-type]
+        assert DirectChannel.of(_Other(), print, print) is None  # type: ignore[arg-type]
 
 
 @pytest.mark.unit
@@ -199,7 +203,7 @@ class TestRegistry:
         closing: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         direct.register(1, channel.taker, closing)
         assert direct.channels == {1: channel.taker}
-        later = DirectChannel.of(asyncio.Queue(), lambda *args: None)
+        later = DirectChannel.of(asyncio.Queue(), print, print)
         assert later is not None
         direct.register(1, later, asyncio.get_running_loop().create_future())
         closing.set_result(None)
@@ -268,7 +272,7 @@ def _wire(body: bytes, *, channel: int = 1, header_channel: int = 1, key: str = 
 
 @pytest.mark.unit
 class TestWholeDeliveries:
-    async def _take(self, channel: _Channel, data: bytes) -> tuple[bool, asyncio.StreamReader]:
+    async def _take(self, channel: _Channel, data: bytes) -> tuple[int, asyncio.StreamReader]:
         reader = asyncio.StreamReader()
         reader.feed_data(data)
         reader.feed_eof()
@@ -284,13 +288,23 @@ class TestWholeDeliveries:
         taken, reader = await self._take(channel, data + b"next")
         assert taken and channel.stamps == 1
         assert await reader.read() == b"next"
-        ((deliver, header, got),) = channel.handed
-        assert got == body
+        ((deliver, properties, got),) = channel.handed
+        assert got == body and type(got) is bytes
         assert (deliver.delivery_tag, deliver.exchange, deliver.routing_key) == (5, "ex", "q")
-        assert header.body_size == len(body)
-        assert header.properties.message_id == "m1"
-        assert header.properties.headers == {"n": 1}
-        assert header.properties.content_type == "text/plain"
+        assert properties.message_id == "m1"
+        assert properties.headers == {"n": 1}
+        assert properties.content_type == "text/plain"
+
+    async def test_the_whole_deliveries_of_a_read_in_one_call(self, channel: _Channel) -> None:
+        """Every whole delivery at the head of the buffer, in order, up to the first one
+        that is not whole; one last-frame stamp for them all."""
+        data = b"".join(_wire(b"%d" % n, key=f"q{n}") for n in range(5))
+        taken, reader = await self._take(channel, data + _wire(b"abc")[:-1])
+        assert taken == 5 and channel.stamps == 1
+        assert [(d.routing_key, body) for d, _, body in channel.handed] == [
+            (f"q{n}", b"%d" % n) for n in range(5)
+        ]
+        assert await reader.read() == _wire(b"abc")[:-1]
 
     @pytest.mark.parametrize("cut", [5, 11, 40, 60, -1])
     async def test_a_partial_delivery_stays_in_the_buffer(

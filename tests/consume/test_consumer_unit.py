@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -316,6 +317,39 @@ class TestDelivery:
         )
         with pytest.raises(RuntimeError):
             await delivery.ack()
+
+    def test_the_consumers_constructor_sets_every_field(self) -> None:
+        """``Delivery._received`` (positional, the consumer's) makes what the keyword
+        constructor makes, field for field, for Delivery and a subclass."""
+        recorder = _Recorder()
+        fields = {
+            "body": b"x",
+            "message_id": "m1",
+            "headers": {"h": 1},
+            "redelivered": True,
+            "attempt": 2,
+            "queue": "q",
+            "exchange": "ex",
+            "routing_key": "rk",
+            "content_type": "text/plain",
+            "correlation_id": "c",
+            "reply_to": "r",
+            "delivery_tag": 7,
+            "properties": object(),
+            "settler": recorder,
+        }
+        assert list(fields) == [*inspect.signature(Delivery).parameters]
+        by_keyword = Delivery(**fields)
+
+        class _Sub(Delivery):
+            __slots__ = ()
+
+        for cls in (Delivery, _Sub):
+            made = cls._received(*fields.values())
+            assert type(made) is cls
+            assert [getattr(made, slot) for slot in Delivery.__slots__] == [
+                getattr(by_keyword, slot) for slot in Delivery.__slots__
+            ]
 
 
 class TestUnresolvableAnnotations:

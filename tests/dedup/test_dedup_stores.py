@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from reliable_mq._consume.dedup_gate import DedupGate
 from reliable_mq.dedup import (
     AlreadyProcessed,
     ClaimResult,
@@ -25,6 +27,7 @@ from reliable_mq.dedup import (
     SQLiteDedupStore,
 )
 from reliable_mq.errors import ConsumerError
+from reliable_mq.metrics import Metrics
 from tests.support.private_redis import PrivateRedis
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -259,6 +262,28 @@ class TestMemoryDedupStore:
             timings.append((time.perf_counter() - started) / n)
         per_pair = min(timings)
         assert per_pair < 15e-6, f"{per_pair * 1e6:.1f} us per pair"
+
+
+class TestDedupGate:
+    async def test_each_claim_has_its_own_owner(self) -> None:
+        """A copy that took over an expired claim is not released by the first holder's
+        late release: every claim the gate makes has an owner of its own."""
+        gate = DedupGate(
+            MemoryDedupStore(),
+            lease=0.01,
+            owner_prefix="c1-",
+            metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
+        )
+        result, first = gate.claim_nowait("m1")
+        assert result is CLAIMED and first is not None
+        await asyncio.sleep(0.05)  # the first holder's lease ends
+        result, second = await gate.claim("m1")
+        assert result is CLAIMED and second is not None
+        assert first.owner != second.owner and second.owner.startswith("c1-")
+        await gate.release(first)  # late: the claim is the second holder's now
+        assert gate.claim_nowait("m1")[0] is BUSY
+        assert await gate.complete(second)
+        assert (await gate.claim("m1"))[0] is DONE
 
 
 class TestSQLiteExactlyOnce:
