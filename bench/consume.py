@@ -22,6 +22,10 @@ The default modes:
 * reliable_mq with a no-op batch handler (``max_size`` 100, or the prefetch if
   lower; default de-duplication).
 
+After the table, each reliable_mq mode's rate over pika-with-batched-acks' of
+the same round, round by round (median, min, max): the machine's speed drifts
+between rounds, and a ratio within a round cancels most of that drift.
+
 ``--all`` adds: aio-pika acking ``multiple=true`` every 50th delivery (a
 reference ceiling for manual acks), reliable_mq with one ack frame per
 message, and reliable_mq de-duplicating in SQLite (a file in a temporary
@@ -353,6 +357,37 @@ MODES: dict[str, tuple[Runner, bool, bool]] = {
 }
 
 
+def _paired_ratios(samples: dict[str, list[Sample]], reference: str) -> dict[str, list[float]]:
+    """Each reliable_mq mode's rate over ``reference``'s in the same round, round by round.
+
+    The machine's speed drifts between rounds; a ratio taken within a round
+    cancels most of that drift, which a ratio of medians does not. Modes with a
+    round missing (skipped) are left out.
+    """
+    base = samples.get(reference) or []
+    return {
+        name: [mine.rate / theirs.rate for mine, theirs in zip(found, base, strict=True)]
+        for name, found in samples.items()
+        if name.startswith("reliable_mq") and found and len(found) == len(base)
+    }
+
+
+def _print_paired(samples: dict[str, list[Sample]], rows: list[dict[str, Any]], width: int) -> None:
+    """Print (and add to ``rows``) the round-by-round ratios against pika with batched acks."""
+    paired = _paired_ratios(samples, PIKA_BATCHED)
+    if not paired:
+        return
+    print(f"\nround by round, each rate over {PIKA_BATCHED!r} of the same round:")
+    for name, ratios in paired.items():
+        print(
+            f"  {name:<{width}} median {statistics.median(ratios):.2f}x "
+            f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x, {len(ratios)} rounds)"
+        )
+    for row in rows:
+        if row["mode"] in paired:
+            row["vs_pika_batched_by_round"] = paired[row["mode"]]
+
+
 async def measure(name: str, count: int, prefetch: int, size: int) -> Sample:
     runner, managed, _ = MODES[name]
     queue = f"bench-consume-{uuid.uuid4().hex[:8]}"
@@ -497,6 +532,7 @@ async def main(args: argparse.Namespace) -> None:
                 "spans_per_message": _tracing_modes.spans_per_message(name),
             }
         )
+    _print_paired(samples, rows, width)
     if args.tracing:
         client_us = {row["mode"]: row["client_us"] for row in rows}
         print("\n".join(_tracing_modes.summary(TRACED, client_us, "client CPU", "µs/msg")))
