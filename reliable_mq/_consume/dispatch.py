@@ -305,6 +305,13 @@ class Dispatcher:
                 if claim is None:
                     return _unclaimed(gate, result)
                 ticket.claim = claim
+                task = ticket.task
+                if task is not None and task.cancelling():
+                    # A dead channel's or a shutdown's cancel came while the store was
+                    # awaited, and the store swallowed it (``asyncio.wait_for`` returns a
+                    # result that arrived meanwhile): the handler must not run. _deliver
+                    # settles the delivery and releases the claim for its redelivery.
+                    raise asyncio.CancelledError
         invalid, body = self._decode(spec, ticket)
         if invalid is not None:
             return invalid

@@ -26,6 +26,7 @@ from pydantic import BaseModel, SecretStr
 
 from reliable_mq import ConnectionSettings, ReliablePublisher
 from reliable_mq.consumer import ReliableConsumer
+from reliable_mq.dedup import ClaimResult, MemoryDedupStore
 from reliable_mq.delivery import Delivery
 from reliable_mq.errors import ClosedError
 from reliable_mq.handlers import AckPolicy, Reject, Retry
@@ -477,6 +478,27 @@ async def _connection_pid(name: str) -> str:
     raise AssertionError(f"no connection named {name}")
 
 
+class _SwallowingStore(MemoryDedupStore):
+    """Its first claim waits until cancelled, then answers as if the answer had come
+    in the same turn as the cancel (the cancel is swallowed). Awaited: not the memory
+    store's own type, so the consumer does not take it for one that answers at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = asyncio.Event()
+        self.swallowed = 0
+
+    async def claim(self, message_id: str, *, owner: str, lease: float) -> ClaimResult:
+        result = self.claim_nowait(message_id, owner=owner, lease=lease)
+        if not self.waiting.is_set():
+            self.waiting.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.swallowed += 1
+        return result
+
+
 class TestFaults:
     async def test_connection_cut_with_handlers_in_flight(self, env: Env) -> None:
         """Closing the consumer's connection mid-flight loses nothing and trips no stale tag."""
@@ -512,6 +534,34 @@ class TestFaults:
         assert stats.channel_reopens == 1  # the cut only: no PRECONDITION_FAILED afterwards
         assert stats.stale > 0  # in-flight settles of the dead channel were dropped
         assert set(processed) == set(ids)
+        assert await drain(env.queue) == []
+
+    async def test_a_cancel_the_store_swallowed_keeps_the_handler_from_running(
+        self, env: Env
+    ) -> None:
+        """The connection dies while the dedup store is awaited, and the store answers
+        CLAIMED anyway (as ``asyncio.wait_for`` does when the answer came in the same
+        turn as the cancel, redis-py's client uses it): the handler must not run on the
+        dead channel. It ran, and its claim was released after the effect, so the
+        redelivery ran it again: the duplicate effects of the end-to-end cut test."""
+        store = _SwallowingStore()
+        consumer = env.consumer(dedup=store)
+        runs: collections.Counter[str] = collections.Counter()
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            runs[delivery.message_id] += 1
+
+        env.track(consumer)
+        async with consumer:
+            pid = await _connection_pid(consumer.connection_name)
+            await env.publish([b"x"], ids=["m1"])
+            await asyncio.wait_for(store.waiting.wait(), 10)
+            await _rabbitmqctl("close_connection", pid, "test cut")
+            await wait_until(lambda: consumer.stats().acked == 1, timeout=30, what="the ack")
+            await asyncio.sleep(0.2)
+        assert store.swallowed == 1
+        assert runs == collections.Counter({"m1": 1})
         assert await drain(env.queue) == []
 
     async def test_sigterm_drains_and_exits(self, env: Env, tmp_path: Path) -> None:
