@@ -368,10 +368,22 @@ class TestMissingExchange:
         assert kinds_b == {"PublishResult"}, kinds_b
         assert set(in_b) == set(outcomes[exchange_b])
         kinds_a = {type(o).__name__ for o in outcomes[exchange_a].values()}
-        assert kinds_a <= {"PublishResult", "ExchangeNotFound", "PublishOutcomeUnknown"}, kinds_a
+        # PublishUnroutable for A, as in test_exchange_deleted_mid_stream: routed while the
+        # deletion had removed A's binding but not yet A (seen in CI, 3.10.8).
+        allowed_a = {
+            "PublishResult",
+            "ExchangeNotFound",
+            "PublishOutcomeUnknown",
+            "PublishUnroutable",
+        }
+        assert kinds_a <= allowed_a, kinds_a
         not_found = {k for k, o in outcomes[exchange_a].items() if isinstance(o, ExchangeNotFound)}
         assert not_found, "the deletion came too late to test anything"
         assert not (not_found & in_a), "a delivered message was reported ExchangeNotFound"
+        returned_a = {
+            k for k, o in outcomes[exchange_a].items() if isinstance(o, PublishUnroutable)
+        }
+        assert not (returned_a & in_a), "a delivered message was reported PublishUnroutable"
         confirmed_a = {k for k, o in outcomes[exchange_a].items() if isinstance(o, PublishResult)}
         assert confirmed_a <= in_a
         assert connections == 1, "the 404 must close the channel only, never the connection"
