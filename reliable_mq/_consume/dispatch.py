@@ -63,7 +63,7 @@ from ..handlers import HandlerSpec, Reject, Retry
 from ..headers import ATTEMPT_HEADER, DELIVERY_COUNT_HEADER, NO_CONTENT_TYPE_HEADER
 from ..log import get_logger
 from .batches import Batcher
-from .dedup_gate import DedupGate
+from .dedup_gate import Claim, DedupGate
 from .eager import Eager
 from .route import Overran, Route
 from .session import Session, Shared, Ticket, delivery_log
@@ -297,21 +297,14 @@ class Dispatcher:
             if not message_id:
                 gate.unkeyed()
             else:
-                result, claim = (
-                    gate.claim_nowait(message_id)
-                    if gate.nowait is not None
-                    else await gate.claim(message_id)
-                )
+                if gate.nowait is not None:
+                    result, claim = gate.claim_nowait(message_id)
+                else:
+                    result, claim = await gate.claim(message_id)
+                    _raise_swallowed_cancel(ticket, claim)
                 if claim is None:
                     return _unclaimed(gate, result)
                 ticket.claim = claim
-                task = ticket.task
-                if task is not None and task.cancelling():
-                    # A dead channel's or a shutdown's cancel came while the store was
-                    # awaited, and the store swallowed it (``asyncio.wait_for`` returns a
-                    # result that arrived meanwhile): the handler must not run. _deliver
-                    # settles the delivery and releases the claim for its redelivery.
-                    raise asyncio.CancelledError
         invalid, body = self._decode(spec, ticket)
         if invalid is not None:
             return invalid
@@ -534,6 +527,17 @@ def _waited(ticket: Ticket, waited: float, cut: float) -> Cause:
         hint="it waited for a handler slot: lower prefetch, or raise concurrency",
     )
     return _WAITED
+
+
+def _raise_swallowed_cancel(ticket: Ticket, claim: Claim | None) -> None:
+    """Raise the cancel (a dead channel's, a shutdown's) that came while the store was
+    awaited and that the store swallowed (``asyncio.wait_for`` returns a result that
+    arrived meanwhile): the handler must not run. `Dispatcher._deliver` settles the
+    delivery, and releases the claim (kept on the ticket) for its redelivery."""
+    task = ticket.task
+    if task is not None and task.cancelling():
+        ticket.claim = claim
+        raise asyncio.CancelledError
 
 
 def _unclaimed(gate: DedupGate, result: ClaimResult | None) -> Cause:
