@@ -63,7 +63,7 @@ from ..handlers import HandlerSpec, Reject, Retry
 from ..headers import ATTEMPT_HEADER, DELIVERY_COUNT_HEADER, NO_CONTENT_TYPE_HEADER
 from ..log import get_logger
 from .batches import Batcher
-from .dedup_gate import Claim, DedupGate
+from .dedup_gate import DedupGate
 from .eager import Eager
 from .route import Overran, Route
 from .session import Session, Shared, Ticket, delivery_log
@@ -293,18 +293,14 @@ class Dispatcher:
             return screened
         gate = route.dedup
         if gate is not None:
-            message_id = delivery.message_id
-            if not message_id:
-                gate.unkeyed()
+            if gate.nowait is not None or not delivery.message_id:
+                unclaimed = _claim_at_once(gate, ticket)
             else:
-                if gate.nowait is not None:
-                    result, claim = gate.claim_nowait(message_id)
-                else:
-                    result, claim = await gate.claim(message_id)
-                    _raise_swallowed_cancel(ticket, claim)
-                if claim is None:
-                    return _unclaimed(gate, result)
-                ticket.claim = claim
+                result, ticket.claim = await gate.claim(delivery.message_id)
+                _raise_swallowed_cancel(ticket)
+                unclaimed = None if ticket.claim is not None else _unclaimed(gate, result)
+            if unclaimed is not None:
+                return unclaimed
         invalid, body = self._decode(spec, ticket)
         if invalid is not None:
             return invalid
@@ -371,13 +367,7 @@ class Dispatcher:
         body: Any = None
         gate = route.dedup
         if cause is None and gate is not None:
-            message_id = ticket.delivery.message_id
-            if not message_id:
-                gate.unkeyed()
-            else:
-                result, ticket.claim = gate.claim_nowait(message_id)
-                if ticket.claim is None:
-                    cause = _unclaimed(gate, result)
+            cause = _claim_at_once(gate, ticket)
         if cause is None:
             cause, body = self._decode(route.spec, ticket)
         self.shared.enter()
@@ -529,14 +519,24 @@ def _waited(ticket: Ticket, waited: float, cut: float) -> Cause:
     return _WAITED
 
 
-def _raise_swallowed_cancel(ticket: Ticket, claim: Claim | None) -> None:
+def _claim_at_once(gate: DedupGate, ticket: Ticket) -> Cause | None:
+    """Claim ``ticket``'s id in a store that answers at once (nothing to claim without
+    an id: counted, processed without dedup). None: go on; else why not."""
+    message_id = ticket.delivery.message_id
+    if not message_id:
+        gate.unkeyed()
+        return None
+    result, ticket.claim = gate.claim_nowait(message_id)
+    return None if ticket.claim is not None else _unclaimed(gate, result)
+
+
+def _raise_swallowed_cancel(ticket: Ticket) -> None:
     """Raise the cancel (a dead channel's, a shutdown's) that came while the store was
     awaited and that the store swallowed (``asyncio.wait_for`` returns a result that
     arrived meanwhile): the handler must not run. `Dispatcher._deliver` settles the
     delivery, and releases the claim (kept on the ticket) for its redelivery."""
     task = ticket.task
     if task is not None and task.cancelling():
-        ticket.claim = claim
         raise asyncio.CancelledError
 
 
