@@ -139,14 +139,7 @@ async def drain_queue(
             nonlocal acked
             settled.clear()
             activity.set()
-            received.append(
-                DrainedMessage(
-                    message.message_id,
-                    message.body,
-                    dict(message.headers),
-                    bool(message.redelivered),
-                )
-            )
+            received.append(_drained(message))
             await message.ack()
             acked += 1
             if acked == len(received):
@@ -170,6 +163,12 @@ async def drain_queue(
     return received
 
 
+def _drained(message: AbstractIncomingMessage) -> DrainedMessage:
+    return DrainedMessage(
+        message.message_id, message.body, dict(message.headers), bool(message.redelivered)
+    )
+
+
 async def _get_all(url: str, queue: str) -> list[DrainedMessage]:
     """``basic.get`` (and ack) until the queue answers "empty"; see `drain_queue`."""
     received: list[DrainedMessage] = []
@@ -178,14 +177,7 @@ async def _get_all(url: str, queue: str) -> list[DrainedMessage]:
         channel = await connection.channel(publisher_confirms=False)
         amqp_queue = await channel.get_queue(queue, ensure=True)
         while (message := await amqp_queue.get(no_ack=False, fail=False)) is not None:
-            received.append(
-                DrainedMessage(
-                    message.message_id,
-                    message.body,
-                    dict(message.headers),
-                    bool(message.redelivered),
-                )
-            )
+            received.append(_drained(message))
             await message.ack()
         await channel.close()
     return received
