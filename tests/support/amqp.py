@@ -131,19 +131,19 @@ async def drain_queue(
         await channel.set_qos(prefetch_count=prefetch)
         amqp_queue = await channel.get_queue(queue, ensure=True)
         activity = asyncio.Event()  # set on every delivery
-        settled = asyncio.Event()  # set while every delivery so far is acked
-        settled.set()
+        all_acked = asyncio.Event()  # set while every delivery so far is acked
+        all_acked.set()
         acked = 0
 
         async def on_message(message: AbstractIncomingMessage) -> None:
             nonlocal acked
-            settled.clear()
+            all_acked.clear()
             activity.set()
             received.append(_drained(message))
             await message.ack()
             acked += 1
             if acked == len(received):
-                settled.set()
+                all_acked.set()
 
         consumer_tag = await amqp_queue.consume(on_message)
         while True:
@@ -156,7 +156,7 @@ async def drain_queue(
         # Deliveries that raced the cancel run in their own tasks: let them
         # start and ack before the channel closes (closing would requeue them).
         await asyncio.sleep(0.05)
-        await asyncio.wait_for(settled.wait(), 10)
+        await asyncio.wait_for(all_acked.wait(), 10)
         await channel.close()
     finally:
         await connection.close()
