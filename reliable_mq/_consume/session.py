@@ -49,6 +49,7 @@ from .settle import (
     decide,
     next_rung,
 )
+from .settled import Settled
 
 __all__ = (
     "Session",
@@ -203,6 +204,7 @@ class Session(Frames):
         self.route = route
         self.inflight: dict[int, Ticket] = {}
         self.consumer_tag: str | None = None
+        self._stand_ins: dict[Settle, Settled] = {}
 
     def _ack_lost(self, delivery: Delivery) -> None:
         """``delivery``'s work is done (handled, or its copy published) but its ack found
@@ -221,8 +223,28 @@ class Session(Frames):
         return ticket
 
     def forget(self, ticket: Ticket) -> None:
-        """The delivery's processing ended (it was settled)."""
+        """The delivery's processing ended (it was settled).
+
+        A delivery settled for good (no settle under way) trades its ticket for a
+        stand-in that keeps its outcome (`reliable_mq._consume.settled`): no cycle
+        between the two is left for the garbage collector.
+        """
         self.inflight.pop(ticket.tag, None)
+        outcome = ticket._outcome
+        if outcome is not None and not ticket.settling:
+            stand_in = self._stand_ins.get(outcome)
+            if stand_in is None:
+                stand_in = self._stand_ins[outcome] = Settled(self, outcome)
+            ticket.delivery._settler = stand_in
+
+    def settled_again(self, delivery: Delivery, first: Settle, outcome: Outcome) -> None:
+        """``delivery``, settled as ``first``, was asked by its handler to settle again
+        (``outcome``): nothing is sent; a warning says so unless the policy holds it."""
+        settle = decide(
+            self.route.spec.ack_policy, outcome, delivery.attempt, self.shared.settings.max_attempts
+        ).settle
+        if settle is not Settle.HOLD and outcome in _CALLED:
+            delivery_log(delivery).warning("delivery_already_settled", first=first, second=settle)
 
     def watch(self, ticket: Ticket, deadline: float) -> None:
         """Put the ticket's handler under the watchdog until `unwatch`."""
@@ -359,10 +381,7 @@ class Session(Frames):
         if decision.settle is Settle.HOLD:
             return False
         if ticket._outcome is not None:
-            if cause.outcome in _CALLED:
-                delivery_log(delivery).warning(
-                    "delivery_already_settled", first=ticket.outcome, second=decision.settle
-                )
+            self.settled_again(delivery, ticket._outcome, cause.outcome)
             return False
         ticket._outcome = decision.settle  # reserved: nothing else settles this delivery
         if ticket.span is not None:

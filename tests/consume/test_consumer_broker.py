@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import os
 import random
 import signal
@@ -27,7 +28,7 @@ from pydantic import BaseModel, SecretStr
 from reliable_mq import ConnectionSettings, ReliablePublisher
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.dedup import ClaimResult, MemoryDedupStore
-from reliable_mq.delivery import Delivery
+from reliable_mq.delivery import Delivery, Settle
 from reliable_mq.errors import ClosedError
 from reliable_mq.handlers import AckPolicy, Reject, Retry
 from reliable_mq.topology import QueueTopology, QueueType, declare_topology, delete_topology
@@ -261,6 +262,34 @@ class TestBatchedAcks:
         assert consumer.stats().dead_lettered == 0
         assert await drain(env.queue) == []
         assert await drain(consumer.topology(env.queue).dead_letter_queue) == []
+
+    async def test_handled_deliveries_free_their_tickets(self, env: Env) -> None:
+        """A delivery kept after its handler keeps its outcome but not its ticket, and
+        nothing of the consumer's is left for the cyclic garbage collector: with it
+        off, no ticket outlives its delivery's processing."""
+        from reliable_mq._consume.session import Ticket
+
+        consumer = env.consumer(prefetch=50)
+        kept: list[Delivery] = []
+
+        @consumer.handler(env.queue)
+        async def handler(delivery: Delivery) -> None:
+            kept.append(delivery)
+
+        env.track(consumer)
+        gc.collect()
+        gc.disable()
+        try:
+            async with consumer:
+                await env.publish([b"x"] * 300)
+                await wait_until(lambda: consumer.stats().acked == 300, timeout=20)
+                live = sum(1 for o in gc.get_objects() if type(o) is Ticket)
+                assert [await d.ack() for d in kept[:3]] == [False, False, False]
+        finally:
+            gc.enable()
+        assert len(kept) == 300 and {d.outcome for d in kept} == {Settle.ACK}
+        assert live == 0
+        assert await drain(env.queue) == []
 
 
 class TestRetryAndDeadLetter:

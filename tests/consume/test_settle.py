@@ -541,6 +541,43 @@ class TestApply:
         assert ticket.delivery.outcome is Settle.ACK
         assert "delivery_already_settled" in caplog.text
 
+    async def test_a_forgotten_delivery_answers_without_its_ticket(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Once its processing ends, a settled delivery no longer holds its ticket (no
+        cycle for the garbage collector), and answers a late settle as the ticket did."""
+        session, channel = _session()
+        ticket = _ticket(session, 1)
+        delivery = ticket.delivery
+        assert await delivery.ack()
+        session.forget(ticket)
+        assert delivery._settler is not ticket
+        assert delivery.outcome is Settle.ACK and delivery.settled
+        with caplog.at_level("WARNING"):
+            assert not await delivery.nack()
+            assert not await delivery.retry("late")
+            assert not await delivery.reject("late")
+            assert not await delivery.ack()
+        assert channel.frames == [("ack", 1)]
+        assert caplog.text.count("delivery_already_settled") == 4
+        other = _ticket(session, 2)
+        assert await other.delivery.ack()
+        session.forget(other)
+        assert other.delivery._settler is delivery._settler  # one stand-in per outcome
+
+    async def test_a_delivery_forgotten_unsettled_or_mid_settle_keeps_its_ticket(self) -> None:
+        """Its outcome is not final yet: the ticket stays its settler."""
+        session, channel = _session()
+        unsettled = _ticket(session, 1)
+        session.forget(unsettled)
+        assert unsettled.delivery._settler is unsettled
+        assert await unsettled.delivery.ack()
+        assert channel.frames == [("ack", 1)]
+        settling = _ticket(session, 2)
+        settling._outcome, settling.settling = Settle.ACK, True
+        session.forget(settling)
+        assert settling.delivery._settler is settling
+
     async def test_hold_leaves_it_open(self) -> None:
         """ACCEPTED under a policy that does not ack first settles nothing."""
         session, channel = _session()
