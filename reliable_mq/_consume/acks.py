@@ -47,6 +47,11 @@ class TagState(enum.IntEnum):
         return state is TagState.IN_PROGRESS or state is TagState.ACK_PENDING
 
 
+# The states as module globals: the tracker runs for every delivery, and an enum
+# member read off its class costs about ten times a global's read on Python 3.11.
+_IN_PROGRESS, _ACK_PENDING, _SETTLED = TagState.IN_PROGRESS, TagState.ACK_PENDING, TagState.SETTLED
+
+
 class AckTracker:
     """Outstanding delivery tags of one channel, in tag order."""
 
@@ -77,7 +82,7 @@ class AckTracker:
             self._first = tag  # empty: whatever came before is settled
         elif tag != expected:
             raise ValueError(f"delivery tag {tag} out of order (expected {expected})")
-        self._states.append(TagState.IN_PROGRESS)
+        self._states.append(_IN_PROGRESS)
 
     def state(self, tag: int) -> TagState | None:
         """The state of ``tag``, or None if it was already handed out for a frame."""
@@ -93,9 +98,9 @@ class AckTracker:
             False if ``tag`` is unknown or not in progress (nothing changed).
         """
         index = tag - self._first
-        if not 0 <= index < len(self._states) or self._states[index] is not TagState.IN_PROGRESS:
+        if not 0 <= index < len(self._states) or self._states[index] is not _IN_PROGRESS:
             return False
-        self._states[index] = TagState.ACK_PENDING
+        self._states[index] = _ACK_PENDING
         self._pending += 1
         return True
 
@@ -109,14 +114,14 @@ class AckTracker:
             False if ``tag`` is unknown or already finished (send nothing).
         """
         index = tag - self._first
-        if not 0 <= index < len(self._states) or self._states[index] is not TagState.IN_PROGRESS:
+        if not 0 <= index < len(self._states) or self._states[index] is not _IN_PROGRESS:
             return False
-        self._states[index] = TagState.SETTLED
+        self._states[index] = _SETTLED
         return True
 
     def blocked(self) -> bool:
         """True if the head of the window is still in progress."""
-        return bool(self._states) and self._states[0] is TagState.IN_PROGRESS
+        return bool(self._states) and self._states[0] is _IN_PROGRESS
 
     def take_prefix(self) -> tuple[int | None, int]:
         """Pop the finished prefix; return the tag for ``basic.ack(multiple=true)``.
@@ -132,10 +137,10 @@ class AckTracker:
         tag = self._first
         while states:
             head = states[0]
-            if head is TagState.IN_PROGRESS:
+            if head is _IN_PROGRESS:
                 break
             states.popleft()
-            if head is TagState.ACK_PENDING:
+            if head is _ACK_PENDING:
                 ack_tag = tag
                 count += 1
             tag += 1
@@ -153,8 +158,8 @@ class AckTracker:
         tags: list[int] = []
         states = self._states
         for index, state in enumerate(states):
-            if state is TagState.ACK_PENDING:
-                states[index] = TagState.SETTLED
+            if state is _ACK_PENDING:
+                states[index] = _SETTLED
                 tags.append(self._first + index)
         self._pending -= len(tags)
         return tags
@@ -162,7 +167,7 @@ class AckTracker:
     def in_progress(self) -> list[int]:
         """Tags still in progress, in order."""
         first = self._first
-        return [first + i for i, s in enumerate(self._states) if s is TagState.IN_PROGRESS]
+        return [first + i for i, s in enumerate(self._states) if s is _IN_PROGRESS]
 
 
 class LostAcks:

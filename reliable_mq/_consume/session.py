@@ -29,7 +29,7 @@ from .._amqp.faults import Fault, FaultKind, classify, consumer_timeout_of
 from .._tracing import SettleTrace, settle_trace, settled
 from ..delivery import Delivery, Settle
 from ..errors import ClosedError
-from ..handlers import HandlerSpec, Reject, Retry
+from ..handlers import AckPolicy, HandlerSpec, Reject, Retry
 from ..headers import ERROR_MESSAGE_HEADER
 from ..log import get_logger
 from ..metrics import QueueMetrics
@@ -69,6 +69,7 @@ _CALLED = frozenset(
         Outcome.REJECT_SIGNAL,
     }
 )
+_RETURNED, _ACK = Outcome.RETURNED, Settle.ACK  # read for every delivery (`Session.ack_at_once`)
 # Outcomes whose cause is an error of the delivery (the process span's ``error.type``).
 _FAILED = frozenset(
     {
@@ -205,6 +206,13 @@ class Session(Frames):
         self.inflight: dict[int, Ticket] = {}
         self.consumer_tag: str | None = None
         self._stand_ins: dict[Settle, Settled] = {}
+        # A handler's return decides the same for every attempt, unless the policy is
+        # MANUAL: decided once here for `ack_at_once`, which runs for every delivery.
+        policy = route.spec.ack_policy
+        returned = decide(policy, Outcome.RETURNED, 1, shared.settings.max_attempts)
+        self._returned_acks = (
+            policy is not AckPolicy.MANUAL and returned.settle is Settle.ACK and returned.mark_done
+        )
 
     def _ack_lost(self, delivery: Delivery) -> None:
         """``delivery``'s work is done (handled, or its copy published) but its ack found
@@ -413,13 +421,16 @@ class Session(Frames):
         if ticket._outcome is not None or ticket.span is not None or not self.batch:
             return False
         route = self.route
-        decision = decide(
-            route.spec.ack_policy,
-            cause.outcome,
-            ticket.delivery.attempt,
-            self.shared.settings.max_attempts,
-        )
-        if decision.settle is not Settle.ACK or not decision.mark_done or self.dead():
+        if cause.outcome is not _RETURNED or not self._returned_acks:
+            decision = decide(
+                route.spec.ack_policy,
+                cause.outcome,
+                ticket.delivery.attempt,
+                self.shared.settings.max_attempts,
+            )
+            if decision.settle is not Settle.ACK or not decision.mark_done:
+                return False
+        if self.dead():
             return False
         claim = ticket.claim
         if claim is not None:
@@ -427,7 +438,7 @@ class Session(Frames):
             if gate is None or not gate.complete_at_once(claim):
                 return False
             ticket.claim = None
-        ticket._outcome = Settle.ACK
+        ticket._outcome = _ACK
         route.metrics.acked += 1
         self.batch_ack(ticket.tag)
         return True

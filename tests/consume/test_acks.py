@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from reliable_mq._consume.acks import AckTracker, TagState
 from reliable_mq._consume.session import Session, Shared
+from reliable_mq.handlers import AckPolicy
 from reliable_mq.metrics import Metrics
 from reliable_mq.settings import ConsumerSettings
 
@@ -282,7 +283,10 @@ def _session(
         )
         shared = Shared(settings)
     route = SimpleNamespace(
-        metrics=Metrics.on(CollectorRegistry()).for_queue("q"), dedup=None, queue="q"
+        metrics=Metrics.on(CollectorRegistry()).for_queue("q"),
+        dedup=None,
+        queue="q",
+        spec=SimpleNamespace(ack_policy=AckPolicy.RETRY_ON_ERROR),
     )
     return Session(shared, route, channel)  # type: ignore[arg-type]
 
