@@ -33,6 +33,7 @@ from typing import Any
 __all__ = ("Eager",)
 
 Step = Coroutine[Any, Any, None]
+_ENDED: Any = object()
 
 
 class Eager:
@@ -72,8 +73,12 @@ class Eager:
             ticket.task = task
             context = copy_context()
             try:
-                waits_on = context.run(coro.send, None)
+                # next() with a default: a coroutine that ends returning None raises no
+                # StopIteration (coro.send would make one per delivery).
+                waits_on = context.run(next, coro.__await__(), _ENDED)
             except BaseException:
+                waits_on = _ENDED
+            if waits_on is _ENDED:
                 if task.cancelling():  # it left a cancel on this task: another takes the rest
                     break
                 continue
