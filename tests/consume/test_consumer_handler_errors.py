@@ -38,7 +38,7 @@ import pytest
 from pydantic import BaseModel, SecretStr, field_validator
 
 from reliable_mq import ConnectionSettings
-from reliable_mq._consume import session as _session
+from reliable_mq._consume import republish as _republish
 from reliable_mq.consumer import ReliableConsumer
 from reliable_mq.delivery import Delivery
 from reliable_mq.handlers import Reject, Retry
@@ -213,7 +213,7 @@ class TestUndescribable:
         def broken(*args: object, **kwargs: object) -> object:
             raise RuntimeError("injected")
 
-        monkeypatch.setattr(_session, "build_copy", broken)
+        monkeypatch.setattr(_republish, "build_copy", broken)
         consumer = env.consumer(**FAST)
         runs: list[int] = []
 
