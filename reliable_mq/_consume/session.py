@@ -7,10 +7,11 @@ through ``delivery.ack()``, a shutdown, a dead channel), goes through
 `Session.apply`: it takes the one pure decision (`reliable_mq._consume.settle.decide`),
 reserves the ticket so that nothing settles it twice, completes or releases its
 dedup claim, and writes the frame (or publishes the copy first, walking the
-fallback ladder of `reliable_mq._consume.settle.next_rung` when the copy cannot be
-published: `reliable_mq._consume.republish`, the base of `Session`). The common end, an ack after the handler returned, has a twin
-without a coroutine, `Session.ack_at_once`: the same decision, the claim
-completed in memory, the ack batched; whatever it cannot do goes to `apply`.
+fallback ladder of `reliable_mq._consume.settle.next_rung` when the copy cannot
+be published: `reliable_mq._consume.republish`, the base of `Session`). The
+common end, an ack after the handler returned, has a twin without a coroutine,
+`Session.ack_at_once`: the same decision, the claim completed in memory, the ack
+batched; whatever it cannot do goes to `apply`.
 Once the channel is gone (`Session.dead`) settles are dropped and
 counted as stale: the broker has already requeued those deliveries and their
 tags mean nothing on any other channel.
