@@ -59,6 +59,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (D: an uninterruptible wait), or "?"."""
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return "?"
+
+
 def _port_open(port: int, host: str = "127.0.0.1") -> bool:
     with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
         return True
@@ -280,17 +287,32 @@ class PrivateBroker:
             return
         self.rabbitmqctl("stop", str(self.pid_file), timeout=timeout)
 
-    def kill(self) -> None:
-        """Crash the node with SIGKILL and wait for the process to go away."""
+    def kill(self, timeout: float = 30) -> None:
+        """Crash the node with SIGKILL and wait for the process to go away.
+
+        A process in an uninterruptible wait (a quorum queue's fsync on a loaded
+        disk) dies only when the wait ends: a CI run saw one outlive 10 s, and
+        the next `start` found it running. It is waited for up to ``timeout``.
+
+        Raises:
+            PrivateBrokerError: it is still running after ``timeout`` (its state
+                is named).
+        """
         pids = self.node_pids()
         if not pids:
             return
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + timeout
         while self.is_running() and time.monotonic() < deadline:
             time.sleep(0.02)
+        left = self.node_pids()
+        if left:
+            raise PrivateBrokerError(
+                f"{self.node_name} outlived SIGKILL for {timeout:g} s: "
+                + ", ".join(f"pid {pid} state {_state(pid)}" for pid in sorted(left))
+            )
         # The AMQP port can linger for a moment while the kernel tears down.
         while _port_open(self.amqp_port) and time.monotonic() < deadline:
             time.sleep(0.02)
