@@ -21,13 +21,12 @@ per message:
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._amqp.faults import Fault, FaultKind
-from .._tracing import publish_ended, republished
+from .._tracing import republished
 from ..errors import (
     ClosedError,
     PublishAborted,
@@ -37,7 +36,6 @@ from ..errors import (
     PublishUnroutable,
     ReliableMQError,
 )
-from ..outcomes import PublishResult
 from ..settings import PublisherSettings
 from .admission import Aborted, Unavailable, wait_for_admission
 from .errors import (
@@ -47,18 +45,17 @@ from .errors import (
     timeout_error,
     unavailable_error,
 )
-from .isolation import Isolation
+from .isolation import Isolation, judge
 from .ledger import Ledger
 from .outgoing import Outgoing, Preparer, RetryReason
 from .ports import Exchanges, Link, SendChannel, StreamFactory
+from .resolution import fail, not_admitted, succeed
 from .window import Window
 
 __all__ = ("Engine",)
 
 _NACK_ONLY_SECONDS = 2.0
 """A channel that got only nacks (at least three, no ack) for this long is replaced."""
-_MAX_REFUSALS = 64
-"""A message on this many refused channels fails, whatever isolation concluded."""
 
 
 class Engine:
@@ -235,7 +232,7 @@ class Engine:
             await wait_for_admission(self, out)
             self._admitted(out)  # before unhold(): the engine must not look idle between
         except BaseException as exc:
-            _not_admitted(out, exc)
+            not_admitted(out, exc)
             raise
         finally:
             self.unhold()
@@ -245,7 +242,7 @@ class Engine:
         try:
             await wait_for_admission(self, out)
         except BaseException as exc:
-            _not_admitted(out, exc)
+            not_admitted(out, exc)
             raise
         self._admitted(out)
 
@@ -498,25 +495,16 @@ class Engine:
                     [out for out in live if out.exchange != name], RetryReason.REFUSED_NEARBY
                 )
                 return
-        worn = [out for out in live if out.refusals >= _MAX_REFUSALS]
-        for out in worn:
-            self._fail(out, refused_error(out, fault))
-        live = [out for out in live if out.refusals < _MAX_REFUSALS]
-        if not live:
-            return
-        isolation = self._isolation
-        if isolation is None:
-            if len(live) == 1:
-                self._fail(live[0], refused_error(live[0], fault))
-                return
-            self._log.warning("refusal_isolating", reason=fault.describe(), suspects=len(live))
-            self._isolation = Isolation(sorted(live, key=_seq), fault)
-            for out in live:
+        failed, isolation = judge(live, self._isolation, fault)
+        if isolation is not None and isolation is not self._isolation:
+            self._log.warning(
+                "refusal_isolating", reason=fault.describe(), suspects=len(isolation.suspects)
+            )
+            for out in isolation.suspects:
                 out.retry_reason = RetryReason.REFUSED_NEARBY
-            return
-        culprit = isolation.narrow(live)
-        if culprit is not None:
-            self._fail(culprit, refused_error(culprit, fault))
+        self._isolation = isolation
+        for out in failed:
+            self._fail(out, refused_error(out, fault))
 
     def _exchange_refused(self, name: str, culprits: list[Outgoing], fault: Fault) -> None:
         if fault.kind is FaultKind.NOT_FOUND:
@@ -534,22 +522,7 @@ class Engine:
     # -- resolution -----------------------------------------------------------------------
 
     def _succeed(self, out: Outgoing, now: float) -> None:
-        out.finished = True
-        if out.span is not None:
-            publish_ended(out.span, out.message_id, out.attempts, None)
-        batch = out.batch
-        if batch is not None:
-            batch.succeeded()
-        else:
-            result = PublishResult(
-                out.message_id, out.attempts, now - out.sent_at, time.monotonic() - out.started
-            )
-            future = out.future
-            if future is not None:
-                if not future.done():
-                    future.set_result(result)
-            elif out.callback is not None:
-                out.callback(result, None)
+        succeed(out, now)
         self._ledger.release(out)
         self._ledger.resolved()
 
@@ -557,27 +530,7 @@ class Engine:
         """Give ``out`` its final error (it stays in the window while still on a channel)."""
         if out.finished:
             return
-        out.finished = True
-        out.metrics.failure(type(error).__name__)
-        if out.span is not None:
-            publish_ended(out.span, out.message_id, out.attempts, error)
-        self._log.debug(
-            "publish_failed",
-            message_id=out.message_id,
-            exchange=out.exchange,
-            routing_key=out.routing_key,
-            attempts=out.attempts,
-            error=type(error).__name__,
-            reason=str(error),
-        )
-        batch = out.batch
-        if batch is not None:
-            batch.failed(out.index, out.message_id, error)
-        elif out.future is not None:
-            if not out.future.done():
-                out.future.set_exception(error)
-        elif out.callback is not None:
-            out.callback(None, error)
+        fail(out, error, self._log)
         if out.tag == 0:
             self._ledger.release(out)
         self._ledger.resolved()
@@ -671,15 +624,6 @@ class Engine:
             out.tag = 0
             self._ledger.release(out)
         return count
-
-
-def _not_admitted(out: Outgoing, exc: BaseException) -> None:
-    """``out`` was never admitted: its caller gets ``exc`` (the engine has no outcome to give)."""
-    if isinstance(exc, PublishError):
-        out.metrics.failure(type(exc).__name__)
-    if out.span is not None:
-        publish_ended(out.span, out.message_id, out.attempts, exc)
-        out.span = None
 
 
 def _seq(out: Outgoing) -> int:

@@ -16,7 +16,10 @@ from collections import deque
 from .._amqp.faults import Fault
 from .outgoing import Outgoing
 
-__all__ = ("Isolation",)
+__all__ = ("MAX_REFUSALS", "Isolation", "judge")
+
+MAX_REFUSALS = 64
+"""A message on this many refused channels fails, whatever isolation concluded."""
 
 
 class Isolation:
@@ -55,3 +58,32 @@ class Isolation:
         self.suspects.extendleft(reversed(in_chunk + others))
         self.size = max(1, (len(in_chunk) + 1) // 2)
         return None
+
+
+def judge(
+    live: list[Outgoing], isolation: Isolation | None, fault: Fault
+) -> tuple[list[Outgoing], Isolation | None]:
+    """A refusal that names no exchange: the messages it fails, and the isolation after it.
+
+    ``live`` were unconfirmed on the refused channel (their ``refusals`` already
+    counted); ``isolation`` is the one under way, if any. Fails the messages
+    refused `MAX_REFUSALS` times; then a lone suspect, or the culprit the
+    isolation under way narrowed down to. Several suspects and no isolation
+    start one (a new `Isolation` is returned; the others are re-sent by it).
+    """
+    failed = [out for out in live if out.refusals >= MAX_REFUSALS]
+    live = [out for out in live if out.refusals < MAX_REFUSALS]
+    if not live:
+        return failed, isolation
+    if isolation is None:
+        if len(live) == 1:
+            return [*failed, live[0]], None
+        return failed, Isolation(sorted(live, key=_seq), fault)
+    culprit = isolation.narrow(live)
+    if culprit is not None:
+        failed.append(culprit)
+    return failed, isolation
+
+
+def _seq(out: Outgoing) -> int:
+    return out.seq
