@@ -50,26 +50,24 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Mapping
 from functools import partial
-from types import MappingProxyType
 from typing import Any
 
 from .._amqp import Basic, OnDelivery, Undecodable
 from .._tracing import start_process, use_span
 from ..dedup.base import AlreadyProcessed, ClaimResult
-from ..delivery import Delivery, Settle
+from ..delivery import Settle
 from ..handlers import HandlerSpec, Reject, Retry
-from ..headers import ATTEMPT_HEADER, DELIVERY_COUNT_HEADER, NO_CONTENT_TYPE_HEADER
 from ..log import get_logger
 from .batches import Batcher
 from .dedup_gate import DedupGate
 from .eager import Eager
+from .received import received
 from .route import Overran, Route
 from .session import Session, Shared, Ticket, delivery_log
 from .settle import Cause, Outcome, decide
 
-__all__ = ("Dispatcher", "int_header")
+__all__ = ("Dispatcher",)
 
 _EXITS = (KeyboardInterrupt, SystemExit)
 """The only exceptions asyncio lets out of the event loop: a handler raising one
@@ -92,7 +90,6 @@ _ACK_LOST = Cause(
     Outcome.DUPLICATE, note="done here before; the broker returned it when the channel died"
 )
 _WAITED = Cause(Outcome.WAITED, note="waited for a handler slot too long to run safely")
-_NO_HEADERS: Mapping[str, Any] = MappingProxyType({})
 
 
 class Dispatcher:
@@ -153,7 +150,7 @@ class Dispatcher:
         ) -> None:
             try:
                 ticket = session.admit(frame.delivery_tag or 0, None)
-                delivery = ticket.delivery = _delivery(route, frame, properties, body, ticket)
+                delivery = ticket.delivery = received(route, frame, properties, body, ticket)
                 metrics.delivered += 1
                 if delivery.redelivered:
                     metrics.redelivered += 1
@@ -557,50 +554,6 @@ def _consumer_timeout(overran: Overran) -> Cause:
         "the broker closed the channel and redelivered the message"
     )
     return Cause(Outcome.CONSUMER_TIMEOUT, error, "consumer_timeout")
-
-
-def _delivery(
-    route: Route, frame: Basic.Deliver, props: Basic.Properties, body: bytes, ticket: Ticket
-) -> Delivery:
-    headers: Mapping[str, Any] = props.headers or _NO_HEADERS
-    if headers:
-        attempt = max(int_header(headers, ATTEMPT_HEADER) or 1, 1)
-        if route.quorum:
-            attempt += max(int_header(headers, DELIVERY_COUNT_HEADER) or 0, 0)
-        content_type = None if NO_CONTENT_TYPE_HEADER in headers else props.content_type
-    else:
-        attempt, content_type = 1, props.content_type
-    return Delivery._received(  # positional: a third of the keyword call's cost
-        body,
-        props.message_id or "",
-        headers,
-        bool(frame.redelivered),
-        attempt,
-        route.queue,
-        frame.exchange or "",
-        frame.routing_key or "",
-        content_type,
-        props.correlation_id,
-        props.reply_to,
-        ticket.tag,
-        props,
-        ticket,
-    )
-
-
-def int_header(headers: Mapping[str, Any], name: str) -> int | None:
-    """An int header's value (ints, and strings of digits); None otherwise."""
-    value = headers.get(name)
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, (str, bytes)):
-        try:
-            return int(value)
-        except ValueError:
-            return None
-    return None
 
 
 def _thread_ended(route: Route, ticket: Ticket, returned: bool) -> None:
