@@ -58,6 +58,7 @@ from ._amqp.faults import AMQP_ERRORS
 from ._consume.batches import check_batch
 from ._consume.dedup_gate import DedupGate
 from ._consume.dispatch import Dispatcher
+from ._consume.preflight import check_settings
 from ._consume.route import ChannelKeeper, Route
 from ._consume.session import Shared
 from ._consume.threads import HandlerThreads, pool_size
@@ -83,8 +84,6 @@ __all__ = (
 
 _METRICS_INTERVAL = 0.5
 """Seconds between two flushes of the per-queue metrics (multiprocess mode only)."""
-_RABBITMQ_CONSUMER_TIMEOUT = 1800.0
-"""RabbitMQ's default ``consumer_timeout`` (seconds), since 3.8.15."""
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
@@ -333,7 +332,13 @@ class ReliableConsumer(Router):
         self._shared.idle.set()
         if self._stop_requested is None:  # run() makes it first
             self._stop_requested = asyncio.Event()
-        lease = self._check_settings()
+        lease = check_settings(
+            self.settings,
+            uses_dedup=self._uses_dedup(),
+            broker_cut=self._shared.broker_cut,
+            consumer_timeout=self._shared.consumer_timeout,
+            log=self._log,
+        )
         for spec in self.handlers:
             store = self.dedup_store(spec.queue)
             metrics = self._metrics.for_queue(spec.queue, owner=self)
@@ -383,46 +388,6 @@ class ReliableConsumer(Router):
             self._housekeeping(), name="reliable_mq:housekeeping"
         )
         self._log.info("consumer_started", queues=list(self._routes))
-
-    def _check_settings(self) -> float:
-        """Warn about settings that risk memory or double runs; the dedup lease."""
-        if self.settings.prefetch == 0:
-            self._log.warning("unlimited_prefetch", hint="memory use is unbounded")
-        lease = self.settings.effective_dedup_lease
-        timeout = self.settings.handler_timeout
-        if timeout is not None and lease <= timeout and self._uses_dedup():
-            self._log.warning(
-                "dedup_lease_shorter_than_handler_timeout",
-                dedup_lease=lease,
-                handler_timeout=timeout,
-                hint="a slow handler's message may run twice at once",
-            )
-        self._check_consumer_timeout()
-        return lease
-
-    def _check_consumer_timeout(self) -> None:
-        """Warn when handlers may outlive the broker's ``consumer_timeout``."""
-        handler_timeout = self.settings.handler_timeout
-        cut = self._shared.broker_cut
-        if cut is not None:
-            if handler_timeout is None or handler_timeout > cut:
-                self._log.warning(
-                    "handler_timeout_above_consumer_timeout",
-                    handler_timeout=handler_timeout,
-                    consumer_timeout=self._shared.consumer_timeout,
-                    cut_after=round(cut, 3),
-                    hint="handlers are cut (and retried) cut_after seconds after their "
-                    "delivery arrived, before the broker closes the channel",
-                )
-        elif handler_timeout is None or handler_timeout >= _RABBITMQ_CONSUMER_TIMEOUT:
-            self._log.warning(
-                "handler_timeout_above_consumer_timeout",
-                handler_timeout=handler_timeout,
-                consumer_timeout=None,
-                hint="RabbitMQ closes the channel of a delivery unacked for its "
-                "consumer_timeout (30 minutes by default): set handler_timeout below it, "
-                "and ConsumerSettings.consumer_timeout to the broker's value",
-            )
 
     async def run(self) -> None:
         """Start, consume until `stop` or SIGTERM/SIGINT, then shut down gracefully.
