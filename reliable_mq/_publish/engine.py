@@ -47,7 +47,7 @@ from .errors import (
 )
 from .isolation import Isolation, judge
 from .ledger import Ledger
-from .outgoing import Outgoing, Preparer, RetryReason
+from .outgoing import Outgoing, Preparer, RetryReason, by_seq
 from .ports import Exchanges, Link, SendChannel, StreamFactory
 from .resolution import fail, not_admitted, succeed
 from .window import Window
@@ -399,9 +399,9 @@ class Engine:
                 out.maybe_routed = True
         if self._isolation is not None:
             self._isolation.chunk = []
-            self._isolation.suspects.extendleft(reversed(sorted(items, key=_seq)))
+            self._isolation.suspects.extendleft(reversed(sorted(items, key=by_seq)))
             return
-        merged = sorted([*items, *self._backlog], key=_seq)
+        merged = sorted([*items, *self._backlog], key=by_seq)
         self._backlog = deque(merged)
 
     # -- outcomes -------------------------------------------------------------------------
@@ -624,7 +624,3 @@ class Engine:
             out.tag = 0
             self._ledger.release(out)
         return count
-
-
-def _seq(out: Outgoing) -> int:
-    return out.seq

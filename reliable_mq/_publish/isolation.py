@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from .._amqp.faults import Fault
-from .outgoing import Outgoing
+from .outgoing import Outgoing, by_seq
 
 __all__ = ("MAX_REFUSALS", "Isolation", "judge")
 
@@ -78,12 +78,8 @@ def judge(
     if isolation is None:
         if len(live) == 1:
             return [*failed, live[0]], None
-        return failed, Isolation(sorted(live, key=_seq), fault)
+        return failed, Isolation(sorted(live, key=by_seq), fault)
     culprit = isolation.narrow(live)
     if culprit is not None:
         failed.append(culprit)
     return failed, isolation
-
-
-def _seq(out: Outgoing) -> int:
-    return out.seq

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..metrics import ExchangeMetrics
     from .batch import Batch
 
-__all__ = ("MessageOptions", "Outgoing", "Preparer", "RetryReason")
+__all__ = ("MessageOptions", "Outgoing", "Preparer", "RetryReason", "by_seq")
 
 _METHOD_CACHE_SIZE = 4096
 
@@ -118,6 +118,11 @@ class Outgoing:
 
     def __repr__(self) -> str:
         return f"<Outgoing {self.message_id} seq={self.seq} attempts={self.attempts}>"
+
+
+def by_seq(out: Outgoing) -> int:
+    """The sort key of publish order (a message's ``seq``)."""
+    return out.seq
 
 
 class Preparer:
