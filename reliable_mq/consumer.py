@@ -335,7 +335,6 @@ class ReliableConsumer(Router):
         lease = check_settings(
             self.settings,
             uses_dedup=self._uses_dedup(),
-            broker_cut=self._shared.broker_cut,
             consumer_timeout=self._shared.consumer_timeout,
             log=self._log,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..settings import ConsumerSettings
+from .frames import broker_cut
 
 __all__ = ("RABBITMQ_CONSUMER_TIMEOUT", "check_settings")
 
@@ -21,14 +22,12 @@ def check_settings(
     settings: ConsumerSettings,
     *,
     uses_dedup: bool,
-    broker_cut: float | None,
     consumer_timeout: float | None,
     log: Any,
 ) -> float:
     """Warn about settings that risk memory or double runs; return the dedup lease.
 
-    ``broker_cut``: when handlers are cut before the broker's ``consumer_timeout``
-    (known from `ConsumerSettings.consumer_timeout`), None if it is unknown.
+    ``consumer_timeout``: the broker's, if known (`ConsumerSettings.consumer_timeout`).
     """
     if settings.prefetch == 0:
         log.warning("unlimited_prefetch", hint="memory use is unbounded")
@@ -41,15 +40,16 @@ def check_settings(
             handler_timeout=timeout,
             hint="a slow handler's message may run twice at once",
         )
-    _check_consumer_timeout(timeout, broker_cut, consumer_timeout, log)
+    _check_consumer_timeout(timeout, consumer_timeout, log)
     return lease
 
 
 def _check_consumer_timeout(
-    handler_timeout: float | None, cut: float | None, consumer_timeout: float | None, log: Any
+    handler_timeout: float | None, consumer_timeout: float | None, log: Any
 ) -> None:
     """Warn when handlers may outlive the broker's ``consumer_timeout``."""
-    if cut is not None:
+    if consumer_timeout is not None:
+        cut = broker_cut(consumer_timeout)
         if handler_timeout is None or handler_timeout > cut:
             log.warning(
                 "handler_timeout_above_consumer_timeout",
